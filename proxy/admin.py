@@ -1,0 +1,128 @@
+"""Reserved paths: liveness, readiness, metrics and the admin API.
+
+These never reach a replica and are never counted as requests. ``/admin/*``
+needs ``Authorization: Bearer <token>`` when the token variable named by
+``admin.token_env`` is set; when it is unset, admin answers loopback clients
+only, so a fresh deployment is never open to the network.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.keys import RUNTIME
+from proxy.runtime import Runtime
+from proxy.settings import dump_effective_config
+from proxy.telemetry.metrics import StateCollector, StateSnapshot
+
+
+def state_snapshot(runtime: Runtime) -> StateSnapshot:
+    labels = runtime.telemetry.labels
+    scheduler = runtime.dispatcher.scheduler
+    depth: dict[tuple[str, str], int] = {}
+    for name, tenant in runtime.rules.config.tenants.items():
+        for cls in tenant.classes():
+            key = (labels(name), cls)
+            depth[key] = depth.get(key, 0) + scheduler.depth_by_class(name, cls)
+    high: dict[str, int] = {}
+    for name, value in runtime.dispatcher.depth_high_water().items():
+        label = labels(name)
+        high[label] = max(high.get(label, 0), value)
+    replicas = [(r.name, r.inflight, r.limit, r.serving) for r in runtime.pool.replicas]
+    return StateSnapshot(depth, high, replicas, [])
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    ready = not runtime.shutting_down and any(r.serving for r in runtime.pool.replicas)
+    return web.json_response(
+        {"ready": ready, "shutting_down": runtime.shutting_down}, status=200 if ready else 503
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[RUNTIME].telemetry.metrics.registry
+    return web.Response(
+        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+def _authorized(request: web.Request, runtime: Runtime) -> bool:
+    token = os.environ.get(runtime.rules.config.admin.token_env)
+    if token:
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip(), token)
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+async def admin(request: web.Request) -> web.StreamResponse:
+    runtime = request.app[RUNTIME]
+    if not _authorized(request, runtime):
+        return web.json_response(
+            {"error": {"message": "admin needs a valid bearer token", "type": "admission_error",
+                       "code": "unauthenticated"}},
+            status=401,
+        )  # fmt: skip
+    action = request.match_info["action"]
+    if request.method == "GET" and action == "config":
+        text = dump_effective_config(runtime.rules.config, mask_secrets=True)
+        return web.Response(text=text, content_type="application/yaml")
+    if request.method == "GET" and action == "state":
+        return web.json_response(admin_state(runtime))
+    parts = action.split("/")
+    if request.method == "POST" and len(parts) == 3 and parts[0] == "replicas":
+        replica = runtime.pool.get(parts[1])
+        if replica is None or parts[2] not in ("drain", "undrain"):
+            raise web.HTTPNotFound()
+        replica.draining = parts[2] == "drain"
+        if not replica.draining:
+            runtime.dispatcher.pump()
+        return web.json_response({"replica": replica.name, "draining": replica.draining})
+    raise web.HTTPNotFound()
+
+
+def admin_state(runtime: Runtime) -> dict[str, object]:
+    dispatcher = runtime.dispatcher
+    tenants = {
+        name: {
+            "queued": dispatcher.scheduler.depth(name),
+            "inflight": dispatcher.inflight(name),
+            "weight": t.weight,
+            "max_concurrency": t.max_concurrency,
+            "queue_capacity": t.queue_capacity,
+        }
+        for name, t in runtime.rules.config.tenants.items()
+    }
+    replicas = {
+        r.name: {
+            "inflight": r.inflight,
+            "limit": r.limit,
+            "ejected": r.ejected,
+            "draining": r.draining,
+            "warming": r.warming,
+        }
+        for r in runtime.pool.replicas
+    }
+    return {"tenants": tenants, "replicas": replicas, "shutting_down": runtime.shutting_down}
+
+
+def add_admin_routes(app: web.Application) -> None:
+    runtime = app[RUNTIME]
+    runtime.telemetry.metrics.registry.register(StateCollector(lambda: state_snapshot(runtime)))
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/admin/{action:.*}", admin)

@@ -1,0 +1,21 @@
+"""The value the entrance hands to the rest of the path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.deadline import Deadline
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that passed the entrance: who, which class, by when, what."""
+
+    tenant: str
+    priority: str
+    deadline: Deadline
+    body: bytes
+    streaming: bool
+    seatless: bool
+    inference: bool
+    cost: float

@@ -1,0 +1,83 @@
+"""Wiring: ``build_app`` assembles the proxy from its parts.
+
+Every long-lived resource (the upstream client session) is opened and closed
+side by side in a ``cleanup_ctx`` generator, torn down in reverse order. The
+app is frozen after start-up; components are reached through typed
+``AppKey``s. Seams for tests: ``clock`` (time), ``gpu`` (the NVML probe, later
+issue) and ``session_factory`` (the upstream transport).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+
+from proxy.admin import add_admin_routes
+from proxy.clock import Clock, LoopClock
+from proxy.dispatch import Dispatcher
+from proxy.entrance import handle
+from proxy.keys import RUNTIME
+from proxy.quotas import EntranceQuotas
+from proxy.replicas import Replica, ReplicaPool
+from proxy.runtime import Rules, Runtime
+from proxy.scheduler import RoundRobinScheduler
+from proxy.settings import Config
+from proxy.telemetry import Telemetry
+from proxy.telemetry.metrics import Metrics, TenantLabels
+from proxy.upstream import make_session
+
+SessionFactory = Callable[[Config], aiohttp.ClientSession]
+
+
+def _default_session(config: Config) -> aiohttp.ClientSession:
+    return make_session(config.timeouts.connect_ms / 1000.0)
+
+
+def build_runtime(
+    config: Config, *, clock: Clock | None = None, seed: int | None = None
+) -> Runtime:
+    clock = clock or LoopClock()
+    rules = Rules.from_config(config)
+    replicas = [
+        Replica(r, api_key=os.environ.get(r.api_key_env) if r.api_key_env else None)
+        for r in config.replicas
+    ]
+    pool = ReplicaPool(replicas, rng=random.Random(seed))
+    scheduler = RoundRobinScheduler({n: p.weight for n, p in config.priorities.items()})
+    dispatcher = Dispatcher(pool, scheduler, clock, rules.tenant_limits())
+    quotas = EntranceQuotas(clock)
+    quotas.configure(rules.rate_limits())
+    telemetry = Telemetry(
+        Metrics(), TenantLabels(config.tenants, config.telemetry.max_tenant_labels)
+    )
+    return Runtime(rules, clock, pool, dispatcher, quotas, telemetry)
+
+
+def build_app(
+    config: Config,
+    *,
+    clock: Clock | None = None,
+    session_factory: SessionFactory | None = None,
+    seed: int | None = None,
+) -> web.Application:
+    """The proxy as an aiohttp application (not yet started)."""
+    runtime = build_runtime(config, clock=clock, seed=seed)
+    # The entrance enforces max_body_bytes itself, with the contract's 413 answer.
+    app = web.Application(client_max_size=config.server.max_body_bytes + 1)
+    app[RUNTIME] = runtime
+    factory = session_factory or _default_session
+
+    async def upstream_session(app: web.Application) -> AsyncIterator[None]:
+        runtime.session = factory(config)
+        yield
+        await runtime.session.close()
+        runtime.session = None
+
+    app.cleanup_ctx.append(upstream_session)
+    add_admin_routes(app)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app

@@ -1,0 +1,82 @@
+"""The ``admission-proxy`` command line (DESIGN section 4, a contract).
+
+admission-proxy serve --config PATH [--host H] [--port P]
+admission-proxy sim --port P [--slots N] [--seed S] [...]
+admission-proxy demo [--duration S]
+admission-proxy check-config PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from proxy.config_cli import check_config
+from proxy.settings import ConfigError, load_config
+from proxy.telemetry.logs import configure_logging
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop when it is installed (it is a dependency on Linux)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - only on platforms without uvloop
+        return asyncio.run(main)
+    result: int = uvloop.run(main)
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    from proxy.sim.cli import add_sim_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="admission-proxy",
+        description="Admission-control reverse proxy for GPU inference replicas.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("--config", required=True, help="path to the YAML config")
+    serve.add_argument("--host", help="listen address (default: server.host)")
+    serve.add_argument("--port", type=int, help="listen port (default: server.port)")
+
+    sim = sub.add_parser("sim", help="run one simulated GPU replica")
+    add_sim_arguments(sim)
+
+    demo = sub.add_parser("demo", help="two simulated replicas, the proxy and mixed traffic")
+    demo.add_argument("--duration", type=float, default=20.0, help="seconds of traffic")
+    demo.add_argument("--config", help="demo config (default: config/demo.yaml)")
+
+    check = sub.add_parser("check-config", help="validate a config and print it in full")
+    check.add_argument("path")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "check-config":
+        return check_config(args.path)
+    configure_logging()
+    if args.command == "serve":
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            print(f"invalid config {args.config}:\n{exc}", file=sys.stderr)
+            return 2
+        from proxy.lifecycle import serve
+
+        host = args.host or config.server.host
+        port = args.port or config.server.port
+        return run_async(serve(config, host, port))
+    if args.command == "sim":
+        from proxy.sim.cli import run_sim
+
+        return run_sim(args)
+    if args.command == "demo":
+        from proxy.demo import run_demo
+
+        return run_async(run_demo(duration_s=args.duration, config_path=args.config))
+    raise AssertionError(args.command)

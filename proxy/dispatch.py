@@ -1,0 +1,290 @@
+"""The dispatcher: tickets in, seats out.
+
+It ties the three synchronous pieces together (the ``Scheduler`` that orders
+tickets, the ``ReplicaPool`` that owns seats, the per-tenant in-flight places)
+with the only asynchronous parts of admission: each waiting ticket's future
+and its queue-expiry timer. The policy decision ("which ticket, which
+replica") is made in ``_pump``, one synchronous pass with no I/O; waking the
+waiters is the only side effect.
+
+Invariants:
+- a ticket is in exactly one of: queued, granted, expired, abandoned;
+- an expired ticket is never granted (``_pump`` checks the clock too, in case
+  a timer fires late);
+- a client that leaves frees its queue place and tenant place at once
+  (``wait`` removes it in its ``CancelledError`` path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from proxy.clock import Clock
+from proxy.deadline import Deadline
+from proxy.errors import QueueTimeout, ShuttingDown, TenantConcurrency, TenantQueueFull
+from proxy.queues import Ticket
+from proxy.replicas import ReplicaPool, Seat
+from proxy.scheduler import Scheduler
+
+#: Dispatch times kept per tenant to estimate its drain rate (Retry-After).
+RATE_WINDOW = 64
+#: Fallback when a tenant has no dispatch history yet.
+DEFAULT_FREE_PLACE_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """The part of a tenant's config the dispatcher enforces; swapped on reload."""
+
+    max_concurrency: int | None
+    queue_capacity: int
+
+
+class DispatchRate:
+    """Recent dispatches per second, from a sliding window of timestamps."""
+
+    __slots__ = ("_times",)
+
+    def __init__(self) -> None:
+        self._times: deque[float] = deque(maxlen=RATE_WINDOW)
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+
+    def per_second(self, now: float) -> float | None:
+        """None until two dispatches were seen; decays while nothing dispatches."""
+        if len(self._times) < 2:
+            return None
+        span = now - self._times[0]
+        return (len(self._times) - 1) / span if span > 0 else None
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+
+class Dispatcher:
+    """Admits tickets to seats, in the order the scheduler chooses."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        scheduler: Scheduler,
+        clock: Clock,
+        limits: Mapping[str, TenantLimits],
+    ) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self._clock = clock
+        self._limits = dict(limits)
+        self._inflight: dict[str, int] = {}
+        self._rates: dict[str, DispatchRate] = {}
+        self._fleet_rate = DispatchRate()
+        self._high_water: dict[str, int] = {}
+        self._pumping = False
+        self._closed: ShuttingDown | None = None
+        pool.set_on_free(self._pump)
+
+    # -- configuration -----------------------------------------------------------------
+
+    def set_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """New caps and capacities apply at once; nothing queued is evicted."""
+        self._limits = dict(limits)
+        self._pump()
+
+    def limits_for(self, tenant: str) -> TenantLimits:
+        return self._limits.get(tenant) or TenantLimits(max_concurrency=None, queue_capacity=0)
+
+    # -- observation -------------------------------------------------------------------
+
+    def inflight(self, tenant: str) -> int:
+        return self._inflight.get(tenant, 0)
+
+    def total_inflight(self) -> int:
+        return sum(self._inflight.values())
+
+    def depth_high_water(self) -> dict[str, int]:
+        """Each tenant's deepest queue since start (``admission_queue_depth_max``)."""
+        return dict(self._high_water)
+
+    def queued(self) -> int:
+        return len(self.scheduler)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Dispatcher {self.total_inflight()} active, {len(self.scheduler)} queued, "
+            f"{self.pool!r}>"
+        )
+
+    # -- the admission path ------------------------------------------------------------
+
+    def enqueue(self, tenant: str, priority: str, cost: float, deadline: Deadline) -> Ticket:
+        """Place a ticket in its tenant's queue, or refuse it at once.
+
+        The ticket may be granted before this returns (a free seat and nobody
+        ahead); ``wait`` then returns without suspending for long.
+        """
+        if self._closed is not None:
+            raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
+        now = self._clock.now()
+        limits = self.limits_for(tenant)
+        if self.scheduler.depth(tenant) >= limits.queue_capacity and not self._can_start_now(
+            tenant
+        ):
+            if limits.queue_capacity == 0 and self._at_cap(tenant):
+                raise TenantConcurrency(
+                    f"tenant {tenant!r} is at its concurrency limit of {limits.max_concurrency}",
+                    retry_after_s=self._time_to_free_place(tenant, now),
+                )
+            raise TenantQueueFull(
+                f"tenant {tenant!r} has {self.scheduler.depth(tenant)} requests queued "
+                f"(capacity {limits.queue_capacity})",
+                retry_after_s=self._time_to_free_place(tenant, now),
+            )
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(
+            tenant=tenant,
+            priority=priority,
+            cost=cost,
+            enqueued_at=now,
+            expires_at=deadline.queue_expires_at(now),
+            future=loop.create_future(),
+        )
+        self.scheduler.push(ticket)
+        depth = self.scheduler.depth(tenant)
+        if depth > self._high_water.get(tenant, 0):
+            self._high_water[tenant] = depth
+        self._pump()
+        if ticket.future is not None and not ticket.future.done():
+            ticket.timer = loop.call_later(max(0.0, ticket.expires_at - now), self._expire, ticket)
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> Seat:
+        """Suspend until ``ticket`` holds a seat; raises its rejection otherwise."""
+        assert ticket.future is not None
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            self._abandon(ticket)
+            raise
+
+    def finish(
+        self,
+        ticket: Ticket,
+        seat: Seat,
+        *,
+        actual_cost: float | None = None,
+        seat_grace_s: float = 0.0,
+    ) -> None:
+        """The request ended: free the tenant place now and the seat (maybe after grace)."""
+        self._inflight[ticket.tenant] -= 1
+        if not self._inflight[ticket.tenant]:
+            del self._inflight[ticket.tenant]
+        self.scheduler.finished(ticket, ticket.cost if actual_cost is None else actual_cost)
+        seat.release(seat_grace_s)
+        if seat_grace_s > 0:
+            self._pump()  # the tenant place freed now even though the seat did not
+
+    def close(self) -> None:
+        """Shutting down: refuse new tickets and answer every queued one."""
+        self._closed = ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
+        while (ticket := self.scheduler.pop(lambda _tenant: True)) is not None:
+            self._fail(ticket, self._closed)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _at_cap(self, tenant: str) -> bool:
+        cap = self.limits_for(tenant).max_concurrency
+        return cap is not None and self._inflight.get(tenant, 0) >= cap
+
+    def _can_start_now(self, tenant: str) -> bool:
+        """A request with nobody ahead, a free seat and room under its cap skips the queue."""
+        return (
+            self.scheduler.depth(tenant) == 0
+            and not self._at_cap(tenant)
+            and len(self.scheduler) == 0
+            and self.pool.choose() is not None
+        )
+
+    def _time_to_free_place(self, tenant: str, now: float) -> float:
+        rate = self._rates.get(tenant)
+        per_s = rate.per_second(now) if rate is not None else None
+        return 1.0 / per_s if per_s else DEFAULT_FREE_PLACE_S
+
+    def _wait_estimate(self, now: float) -> float:
+        """Time for the queue ahead to drain at the fleet's recent dispatch rate."""
+        per_s = self._fleet_rate.per_second(now)
+        if not per_s:
+            return DEFAULT_FREE_PLACE_S
+        return (len(self.scheduler) + 1) / per_s
+
+    def pump(self) -> None:
+        """Re-run dispatch after a replica became available (undrain, health)."""
+        self._pump()
+
+    def _pump(self) -> None:
+        """Hand free seats to the tickets the scheduler picks, until one runs out."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while len(self.scheduler):
+                replica = self.pool.choose()
+                if replica is None:
+                    return
+                ticket = self.scheduler.pop(lambda tenant: not self._at_cap(tenant))
+                if ticket is None:
+                    return
+                now = self._clock.now()
+                if ticket.expires_at <= now:
+                    self._fail(ticket, self._timeout_for(ticket, now))
+                    continue
+                self._grant(ticket, self.pool.lease(replica), now)
+        finally:
+            self._pumping = False
+
+    def _grant(self, ticket: Ticket, seat: Seat, now: float) -> None:
+        if ticket.timer is not None:
+            ticket.timer.cancel()
+        self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
+        self._rates.setdefault(ticket.tenant, DispatchRate()).record(now)
+        self._fleet_rate.record(now)
+        assert ticket.future is not None
+        ticket.future.set_result(seat)
+
+    def _fail(self, ticket: Ticket, error: Exception) -> None:
+        if ticket.timer is not None:
+            ticket.timer.cancel()
+        if ticket.future is not None and not ticket.future.done():
+            ticket.future.set_exception(error)
+
+    def _timeout_for(self, ticket: Ticket, now: float) -> Exception:
+        """Its own cap held it back (seats were free): 429; otherwise the service: 503."""
+        if self._at_cap(ticket.tenant) and self.pool.choose() is not None:
+            return TenantConcurrency(
+                f"tenant {ticket.tenant!r} stayed at its concurrency limit for the queue budget",
+                retry_after_s=self._time_to_free_place(ticket.tenant, now),
+            )
+        waited_ms = (now - ticket.enqueued_at) * 1000.0
+        return QueueTimeout(
+            f"waited {waited_ms:.0f} ms in the queue without a free seat",
+            retry_after_s=self._wait_estimate(now),
+        )
+
+    def _expire(self, ticket: Ticket) -> None:
+        if self.scheduler.remove(ticket):
+            self._fail(ticket, self._timeout_for(ticket, self._clock.now()))
+
+    def _abandon(self, ticket: Ticket) -> None:
+        """The waiter was cancelled: undo whatever state the ticket reached."""
+        fut = ticket.future
+        assert fut is not None
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            # Granted, but the client left before it could use the seat.
+            self.finish(ticket, fut.result())
+            return
+        if ticket.timer is not None:
+            ticket.timer.cancel()
+        self.scheduler.remove(ticket)

@@ -1,0 +1,142 @@
+"""From an admitted request to a relayed answer: queue, seat, attempt, relay.
+
+The path reads top to bottom as the stages it passes: ``_enqueue`` (the
+dispatcher decides when), ``_attempt`` (one upstream try up to its first
+byte), ``relay`` (the answer, streamed). The seat and the tenant place are
+released in one ``finally`` whatever happens; a request whose client left
+while the replica worked keeps its seat for ``cancel_grace_ms`` because
+engines notice a closed connection late.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.admitted import Admitted
+from proxy.errors import NoHealthyReplica, ProxyError, ShuttingDown
+from proxy.record import RequestRecord
+from proxy.relay import end_to_end_headers, relay
+from proxy.replicas import Replica
+from proxy.runtime import Rules, Runtime
+from proxy.upstream import Committed, UpstreamRequest, attempt
+
+#: Headers the proxy consumes and never forwards upstream (the client's key among them).
+CLIENT_ONLY_HEADERS = frozenset(
+    {"authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
+     "x-request-timeout-ms", "x-request-id", "x-forwarded-for"}
+)  # fmt: skip
+
+
+async def forward(
+    request: web.Request,
+    admitted: Admitted,
+    rules: Rules,
+    runtime: Runtime,
+    record: RequestRecord,
+) -> web.StreamResponse:
+    upstream_request = _upstream_request(request, admitted)
+    if admitted.seatless:
+        replica = runtime.pool.choose_any()
+        if replica is None:
+            raise NoHealthyReplica("no replica is serving", retry_after_s=_no_replica_wait(rules))
+        record.dispatched_at = runtime.clock.now()
+        committed = await _attempt(runtime, replica, upstream_request, admitted, record, request)
+        return await _relay(request, committed, admitted, rules, runtime, record)
+
+    if runtime.shutting_down:
+        raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
+    if not runtime.pool.any_usable():
+        raise NoHealthyReplica(
+            "every replica is ejected or drained", retry_after_s=_no_replica_wait(rules)
+        )
+    dispatcher = runtime.dispatcher
+    ticket = dispatcher.enqueue(admitted.tenant, admitted.priority, admitted.cost,
+                                admitted.deadline)  # fmt: skip
+    record.enqueued_at = ticket.enqueued_at
+    record.queue_depth_at_enqueue = dispatcher.scheduler.depth(admitted.tenant)
+    seat = await dispatcher.wait(ticket)
+    record.dispatched_at = runtime.clock.now()
+    grace_s = 0.0
+    try:
+        committed = await _attempt(runtime, seat.replica, upstream_request, admitted, record,
+                                   request)  # fmt: skip
+        response = await _relay(request, committed, admitted, rules, runtime, record)
+        if record.outcome == "cancelled":
+            grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
+        return response
+    except ProxyError:
+        raise
+    except BaseException:
+        # Cancelled (the client left) while the replica held the request.
+        grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
+        raise
+    finally:
+        actual = None
+        if record.input_tokens is not None or record.output_tokens is not None:
+            actual = float((record.input_tokens or 0) + (record.output_tokens or 0))
+        dispatcher.finish(ticket, seat, actual_cost=actual, seat_grace_s=grace_s)
+
+
+def _no_replica_wait(rules: Rules) -> float:
+    return rules.config.health.interval_ms / 1000.0
+
+
+def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamRequest:
+    headers = CIMultiDict(
+        (k, v)
+        for k, v in end_to_end_headers(request.headers).items()
+        if k.lower() not in CLIENT_ONLY_HEADERS
+    )
+    forwarded = request.headers.get("X-Forwarded-For")
+    peer = request.remote or ""
+    headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer
+    headers["Accept-Encoding"] = "identity"  # the relay reads SSE events as they pass
+    return UpstreamRequest(
+        method=request.method,
+        path_qs=request.rel_url.raw_path_qs,
+        headers=headers,
+        body=admitted.body,
+        streaming=admitted.streaming,
+    )
+
+
+async def _attempt(
+    runtime: Runtime,
+    replica: Replica,
+    upstream_request: UpstreamRequest,
+    admitted: Admitted,
+    record: RequestRecord,
+    request: web.Request,
+) -> Committed:
+    record.attempts += 1
+    record.replica = replica.name
+    extra = {"X-Request-Id": record.request_id}
+    if replica.api_key:
+        extra["Authorization"] = f"Bearer {replica.api_key}"
+    committed = await attempt(
+        runtime.client_session(), replica, upstream_request, admitted.deadline, runtime.clock,
+        extra_headers=extra,
+    )  # fmt: skip
+    record.first_byte_at = committed.first_byte_at
+    record.upstream_status = committed.status
+    return committed
+
+
+async def _relay(
+    request: web.Request,
+    committed: Committed,
+    admitted: Admitted,
+    rules: Rules,
+    runtime: Runtime,
+    record: RequestRecord,
+) -> web.StreamResponse:
+    record.status = committed.status
+    extra = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
+    if not 200 <= committed.status < 300:
+        extra["X-Admission-Reason"] = "upstream_status"
+        record.outcome, record.reason = "failed", "upstream_status"
+    return await relay(
+        request, committed, record, admitted.deadline, runtime.clock,
+        idle_s=rules.config.timeouts.idle_ms / 1000.0, extra_headers=extra,
+    )  # fmt: skip

@@ -1,0 +1,78 @@
+"""Per-tenant entrance quotas: a token bucket on an injected clock.
+
+Behind a small interface (``try_take``) so that a shared implementation (a
+Redis script for a gateway tier, DESIGN section 11) can replace the local one.
+A refused request takes no token, and the refusal says exactly how long until
+the next token: that is the ``Retry-After`` of ``rate_limited``.
+
+    bucket = TokenBucket(rate_per_s=5, burst=10, clock=clock)
+    wait = bucket.try_take()   # 0.0: admitted; > 0: seconds until a token
+"""
+
+from __future__ import annotations
+
+from proxy.clock import Clock
+
+
+class TokenBucket:
+    __slots__ = ("_clock", "_stamp", "_tokens", "burst", "rate")
+
+    def __init__(self, rate_per_s: float, burst: float, clock: Clock) -> None:
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError("rate_per_s must be > 0 and burst >= 1")
+        self.rate = rate_per_s
+        self.burst = burst
+        self._clock = clock
+        self._tokens = burst
+        self._stamp = clock.now()
+
+    def _refill(self) -> None:
+        now = self._clock.now()
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+
+    def try_take(self) -> float:
+        """Take one token if there is one: 0.0; else the seconds until there is."""
+        self._refill()
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / self.rate
+
+    def reconfigure(self, rate_per_s: float, burst: float) -> None:
+        """A reload changes the rate at once, keeping the tokens already earned."""
+        self._refill()
+        self.rate, self.burst = rate_per_s, burst
+        self._tokens = min(self._tokens, burst)
+
+    def __repr__(self) -> str:
+        return f"<TokenBucket {self._tokens:.2f}/{self.burst} at {self.rate}/s>"
+
+
+class EntranceQuotas:
+    """One bucket per tenant that has ``rate_per_s``; tenants without one are unlimited."""
+
+    __slots__ = ("_buckets", "_clock")
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def configure(self, rates: dict[str, tuple[float, float] | None]) -> None:
+        """Apply ``tenant -> (rate, burst)`` (None: unlimited); kept buckets keep their tokens."""
+        buckets: dict[str, TokenBucket] = {}
+        for tenant, spec in rates.items():
+            if spec is None:
+                continue
+            rate, burst = spec
+            bucket = self._buckets.get(tenant)
+            if bucket is None:
+                bucket = TokenBucket(rate, burst, self._clock)
+            else:
+                bucket.reconfigure(rate, burst)
+            buckets[tenant] = bucket
+        self._buckets = buckets
+
+    def try_take(self, tenant: str) -> float:
+        bucket = self._buckets.get(tenant)
+        return 0.0 if bucket is None else bucket.try_take()

@@ -1,0 +1,177 @@
+"""Replica seats: who may receive work, and how many requests each runs.
+
+Each replica has ``max_concurrency`` seats (the knee found by the staircase
+test). ``ReplicaPool.choose`` picks the available replica with the lowest
+in-flight/limit ratio, ties broken at random, so load spreads evenly without a
+central counter. A ``Seat`` is the lease on one of those places; releasing it
+twice is harmless, which lets every path release in ``finally`` without
+bookkeeping. No I/O here: health probes and engine scrapes (``health.py``)
+only flip the flags this module reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Iterable
+from typing import NewType
+
+from proxy.settings import ReplicaConfig
+
+ReplicaName = NewType("ReplicaName", str)
+
+
+class Replica:
+    """Live state of one upstream replica."""
+
+    __slots__ = (
+        "api_key",
+        "config",
+        "draining",
+        "ejected",
+        "inflight",
+        "limit",
+        "name",
+        "url",
+        "warming",
+    )
+
+    def __init__(self, config: ReplicaConfig, api_key: str | None = None) -> None:
+        self.config = config
+        self.name = ReplicaName(config.name)
+        self.url = config.url
+        self.limit = config.max_concurrency
+        self.api_key = api_key
+        self.inflight = 0
+        self.ejected = False
+        self.draining = False
+        self.warming = False
+
+    @property
+    def serving(self) -> bool:
+        """May take new work at all (seats aside)."""
+        return not (self.ejected or self.draining or self.warming)
+
+    @property
+    def has_free_seat(self) -> bool:
+        return self.serving and self.inflight < self.limit
+
+    @property
+    def load(self) -> float:
+        return self.inflight / self.limit
+
+    def __repr__(self) -> str:
+        flags = [f for f in ("ejected", "draining", "warming") if getattr(self, f)]
+        state = ",".join(flags) or "serving"
+        return f"<Replica {self.name} {self.inflight}/{self.limit} {state}>"
+
+
+class Seat:
+    """One leased place on a replica; ``release`` is idempotent."""
+
+    __slots__ = ("_on_release", "_released", "replica")
+
+    def __init__(self, replica: Replica, on_release: Callable[[Replica], None]) -> None:
+        self.replica = replica
+        self._on_release = on_release
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, delay_s: float = 0.0) -> None:
+        """Give the seat back now, or after ``delay_s`` (a cancelled request's grace).
+
+        Engines notice a closed connection late, so a cancelled request's seat
+        stays taken a little while; the seat counts as released at once for
+        the caller, which must not release it again.
+        """
+        if self._released:
+            return
+        self._released = True
+        if delay_s > 0:
+            asyncio.get_running_loop().call_later(delay_s, self._on_release, self.replica)
+        else:
+            self._on_release(self.replica)
+
+    def __repr__(self) -> str:
+        return f"<Seat {self.replica.name} {'released' if self._released else 'held'}>"
+
+
+class ReplicaPool:
+    """The replicas a proxy fronts, with seat accounting."""
+
+    __slots__ = ("_by_name", "_on_free", "_rng")
+
+    def __init__(
+        self,
+        replicas: Iterable[Replica],
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._by_name: dict[ReplicaName, Replica] = {r.name: r for r in replicas}
+        self._rng = rng or random.Random()
+        self._on_free: Callable[[], None] = lambda: None
+
+    def set_on_free(self, callback: Callable[[], None]) -> None:
+        """Called whenever a seat frees up (the dispatcher pumps its queue)."""
+        self._on_free = callback
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self._by_name.values())
+
+    def get(self, name: str) -> Replica | None:
+        return self._by_name.get(ReplicaName(name))
+
+    def choose(self, exclude: frozenset[ReplicaName] = frozenset()) -> Replica | None:
+        """The free replica with the lowest load ratio; ``exclude`` is only a preference."""
+        best: list[Replica] = []
+        best_load = 2.0
+        fallback: list[Replica] = []
+        for replica in self._by_name.values():
+            if not replica.has_free_seat:
+                continue
+            if replica.name in exclude:
+                fallback.append(replica)
+                continue
+            load = replica.load
+            if load < best_load:
+                best, best_load = [replica], load
+            elif load == best_load:
+                best.append(replica)
+        if not best:
+            best = fallback
+        if not best:
+            return None
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def choose_any(self) -> Replica | None:
+        """A serving replica for seatless requests (GET, /v1/models): least loaded."""
+        serving = [r for r in self._by_name.values() if r.serving]
+        if not serving:
+            return None
+        return min(serving, key=lambda r: (r.load, self._rng.random()))
+
+    def any_usable(self) -> bool:
+        """False only when every replica is ejected or drained: then refuse at once.
+
+        A warming or saturated replica still counts: requests wait for it.
+        """
+        return any(not (r.ejected or r.draining) for r in self._by_name.values())
+
+    def lease(self, replica: Replica) -> Seat:
+        replica.inflight += 1
+        return Seat(replica, self._release)
+
+    def _release(self, replica: Replica) -> None:
+        replica.inflight -= 1
+        self._on_free()
+
+    def total_inflight(self) -> int:
+        return sum(r.inflight for r in self._by_name.values())
+
+    def __repr__(self) -> str:
+        seats = sum(r.limit for r in self._by_name.values())
+        return f"<ReplicaPool {len(self._by_name)} replicas, {self.total_inflight()}/{seats} seats>"

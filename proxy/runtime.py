@@ -1,0 +1,99 @@
+"""The proxy's live state: the rules of one config, and the parts that outlive it.
+
+``Rules`` is everything derived from one validated ``Config`` (key index,
+per-tenant budgets): immutable, swapped whole on reload, and read once per
+request, so a request keeps the rules it was admitted under (DESIGN section 2,
+invariant 5). ``Runtime`` holds the long-lived components (dispatcher, seats,
+client session, telemetry); ``app.py`` builds it and owns its lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from proxy.clock import Clock
+from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.quotas import EntranceQuotas
+from proxy.replicas import ReplicaPool
+from proxy.settings import BudgetsConfig, Config
+from proxy.telemetry import Telemetry
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    config: Config
+    keys: Mapping[str, str]
+    budgets: Mapping[str, BudgetsConfig]
+
+    @classmethod
+    def from_config(cls, config: Config) -> Rules:
+        return cls(
+            config=config,
+            keys=config.key_index(),
+            budgets={name: config.budgets_for(name) for name in config.tenants},
+        )
+
+    def tenant_limits(self) -> dict[str, TenantLimits]:
+        return {
+            name: TenantLimits(max_concurrency=t.max_concurrency, queue_capacity=t.queue_capacity)
+            for name, t in self.config.tenants.items()
+        }
+
+    def rate_limits(self) -> dict[str, tuple[float, float] | None]:
+        return {
+            name: (t.rate_per_s, t.effective_burst or 1.0) if t.rate_per_s is not None else None
+            for name, t in self.config.tenants.items()
+        }
+
+
+@dataclass(slots=True)
+class Runtime:
+    rules: Rules
+    clock: Clock
+    pool: ReplicaPool
+    dispatcher: Dispatcher
+    quotas: EntranceQuotas
+    telemetry: Telemetry
+    session: aiohttp.ClientSession | None = None
+    shutting_down: bool = False
+    #: Requests inside the handler right now (graceful shutdown waits for them).
+    active: set[object] = field(default_factory=set)
+    _idle: asyncio.Event | None = None
+
+    def enter(self, request: object) -> None:
+        self.active.add(request)
+
+    def leave(self, request: object) -> None:
+        self.active.discard(request)
+        if not self.active and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is inside the handler, at most ``timeout_s``."""
+        if not self.active:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def apply(self, rules: Rules) -> None:
+        """Swap in a new config's rules in one step (reload)."""
+        self.rules = rules
+        self.dispatcher.set_limits(rules.tenant_limits())
+        self.dispatcher.scheduler.set_class_weights(
+            {name: p.weight for name, p in rules.config.priorities.items()}
+        )
+        self.quotas.configure(rules.rate_limits())
+
+    def client_session(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("the upstream session is not open (app not started)")
+        return self.session

@@ -1,0 +1,116 @@
+"""Reading a relayed SSE stream for time to first token and token counts.
+
+The bytes are forwarded as they arrive; this only watches them. Events are
+read line by line because a chunk boundary can fall anywhere. TTFT is the
+first ``data:`` event with non-empty ``delta.content``, ``reasoning_content``,
+``tool_calls``, completion ``text`` or TGI ``token.text``: not the first byte,
+not a role-only delta, not a ``:`` keep-alive comment (DESIGN section 7).
+
+Only events before the first token and events that carry ``usage`` are
+decoded as JSON; after the first token the rest are counted by a cheap prefix
+check, which keeps the relay's cost per event small.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: A line longer than this without a newline is not an SSE stream we can watch.
+MAX_LINE_BYTES = 1 << 20
+
+
+def has_token(event: Any) -> bool:
+    """Does one decoded SSE payload carry generated content?"""
+    if not isinstance(event, dict):
+        return False
+    token = event.get("token")
+    if isinstance(token, dict) and token.get("text") and not token.get("special"):
+        return True
+    choices = event.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (
+            delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+        ):
+            return True
+    return False
+
+
+class SseMeter:
+    """Feeds on relayed bytes; reports the first token and the usage seen."""
+
+    __slots__ = ("_buffer", "content_events", "first_token_at", "input_tokens", "output_tokens")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.first_token_at: float | None = None
+        self.content_events = 0
+        self.input_tokens: int | None = None
+        self.output_tokens: int | None = None
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        data = self._buffer + chunk if self._buffer else chunk
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            self._line(data[start:end], now)
+            start = end + 1
+        rest = data[start:]
+        self._buffer = rest if len(rest) <= MAX_LINE_BYTES else b""
+
+    def _line(self, line: bytes, now: float) -> None:
+        if not line.startswith(b"data:"):
+            return
+        payload = line[5:].strip()
+        if not payload or payload == b"[DONE]":
+            return
+        if self.first_token_at is not None and b'"usage"' not in payload:
+            self.content_events += 1
+            return
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return
+        if has_token(event):
+            self.content_events += 1
+            if self.first_token_at is None:
+                self.first_token_at = now
+        self._usage(event)
+
+    def _usage(self, event: Any) -> None:
+        if not isinstance(event, dict):
+            return
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int):
+                self.input_tokens = prompt
+            if isinstance(completion, int):
+                self.output_tokens = completion
+        details = event.get("details")  # TGI's final event
+        if isinstance(details, dict) and isinstance(details.get("generated_tokens"), int):
+            self.output_tokens = details["generated_tokens"]
+
+
+def usage_from_body(body: bytes) -> tuple[int | None, int | None]:
+    """Token counts from a non-streaming OpenAI answer, when it carries them."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        return None, None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (
+        prompt if isinstance(prompt, int) else None,
+        completion if isinstance(completion, int) else None,
+    )

@@ -1,0 +1,150 @@
+"""One upstream attempt, up to its commit point (the first body byte).
+
+This is the only module that knows aiohttp's client exceptions: each is
+translated here into a ``ProxyError`` (``raise ... from exc``), so the layers
+above reason about outcomes and retry classes, never about library types.
+
+An attempt is bounded by three clocks: the connect timeout (aiohttp's
+``sock_connect``), the first-byte budget for streaming requests (dispatch to
+the first upstream body byte, clipped to the total), and the total deadline.
+A non-streaming answer's first byte comes only when it is complete, so those
+are bounded by the total alone (DESIGN section 12).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+from multidict import CIMultiDict
+
+from proxy.clock import Clock
+from proxy.deadline import Deadline
+from proxy.errors import (
+    ConnectTimeout,
+    FirstByteTimeout,
+    ProxyError,
+    ResetBeforeFirstByte,
+    TotalTimeout,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+)
+from proxy.replicas import Replica
+
+#: Connections the shared client session may hold open at once. aiohttp's
+#: default of 100 would silently queue requests inside the connector.
+CONNECTOR_LIMIT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    """What is sent to a replica; built once at the entrance, reused per attempt."""
+
+    method: str
+    path_qs: str
+    headers: CIMultiDict[str]
+    body: bytes
+    streaming: bool
+
+
+@dataclass(slots=True)
+class Committed:
+    """An attempt that reached its first body byte: the relay takes it from here."""
+
+    response: aiohttp.ClientResponse
+    first_chunk: bytes
+    sent_at: float
+    first_byte_at: float
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    def close(self) -> None:
+        """Drop the connection: the engine sees the client leave and aborts the work."""
+        self.response.close()
+
+
+def make_session(connect_s: float) -> aiohttp.ClientSession:
+    """The one client session the proxy shares across all replicas."""
+    connector = aiohttp.TCPConnector(limit=CONNECTOR_LIMIT, limit_per_host=0, ttl_dns_cache=300)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=None),
+        auto_decompress=False,  # bytes pass through as the replica sent them
+        cookie_jar=aiohttp.DummyCookieJar(),
+        raise_for_status=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )
+
+
+async def attempt(
+    session: aiohttp.ClientSession,
+    replica: Replica,
+    request: UpstreamRequest,
+    deadline: Deadline,
+    clock: Clock,
+    *,
+    extra_headers: dict[str, str],
+) -> Committed:
+    """Send ``request`` to ``replica`` and wait for the first body byte.
+
+    On any failure the response (if any) is closed before the error is raised,
+    so a failed attempt never leaks a connection.
+    """
+    sent_at = clock.now()
+    if request.streaming:
+        wait_until = deadline.first_byte_at(sent_at)
+        by_total = deadline.first_byte_is_total(sent_at)
+    else:
+        wait_until, by_total = deadline.total_at, True
+    headers = CIMultiDict(request.headers)
+    headers.update(extra_headers)
+    headers["X-Request-Timeout-Ms"] = deadline.remaining_ms_header(sent_at)
+    response: aiohttp.ClientResponse | None = None
+    try:
+        async with asyncio.timeout(max(0.0, wait_until - sent_at)):
+            response = await session.request(
+                request.method,
+                replica.url + request.path_qs,
+                headers=headers,
+                data=request.body if request.body else None,
+                allow_redirects=False,
+            )
+            first_chunk = await response.content.readany()
+    except TimeoutError as exc:
+        if response is not None:
+            response.close()
+        waited_ms = (clock.now() - sent_at) * 1000.0
+        if by_total:
+            raise TotalTimeout(
+                f"replica {replica.name} gave no answer within the request's total budget "
+                f"({waited_ms:.0f} ms)"
+            ) from exc
+        raise FirstByteTimeout(
+            f"replica {replica.name} sent no first byte within {waited_ms:.0f} ms"
+        ) from exc
+    except BaseException as exc:
+        if response is not None:
+            response.close()
+        if isinstance(exc, aiohttp.ClientError):
+            raise translate(exc, replica) from exc
+        raise
+    return Committed(response, first_chunk, sent_at, clock.now())
+
+
+def translate(exc: aiohttp.ClientError, replica: Replica) -> ProxyError:
+    """aiohttp's client errors before the first byte, as outcomes."""
+    where = f"replica {replica.name}"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return ConnectTimeout(f"{where}: connect timed out")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamConnectError(f"{where}: cannot connect ({exc.os_error.strerror or exc})")
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return ConnectTimeout(f"{where}: timed out ({exc})")
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return ResetBeforeFirstByte(f"{where}: connection closed before the first byte")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return ResetBeforeFirstByte(f"{where}: broken response before the first byte")
+    return UpstreamProtocolError(f"{where}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,63 @@
+"""Shared fixtures: a fake upstream and the real proxy, on OS-chosen loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from proxy.app import build_app
+from proxy.keys import RUNTIME
+from proxy.runtime import Runtime
+from proxy.settings import Config
+from tests.upstreams import UPSTREAM, Upstream, build_upstream
+
+ServerFactory = Callable[..., Awaitable[TestServer]]
+ClientFactory = Callable[..., Awaitable[TestClient[web.Request, web.Application]]]
+
+
+class ProxyUnderTest:
+    """The running proxy: its test client and its live runtime."""
+
+    def __init__(self, client: TestClient[web.Request, web.Application]) -> None:
+        self.client = client
+        self.runtime: Runtime = client.app[RUNTIME]
+
+    @property
+    def url(self) -> str:
+        return str(self.client.make_url("")).rstrip("/")
+
+    def assert_idle(self) -> None:
+        """Every seat, queue slot and tenant place is back to zero."""
+        runtime = self.runtime
+        assert runtime.pool.total_inflight() == 0, runtime.pool
+        assert runtime.dispatcher.total_inflight() == 0, runtime.dispatcher
+        assert len(runtime.dispatcher.scheduler) == 0, runtime.dispatcher
+        assert not runtime.active
+
+
+@pytest.fixture
+async def upstream_server(aiohttp_server: ServerFactory) -> TestServer:
+    return await aiohttp_server(build_upstream())
+
+
+@pytest.fixture
+def upstream_state(upstream_server: TestServer) -> Upstream:
+    return upstream_server.app[UPSTREAM]  # type: ignore[index]
+
+
+@pytest.fixture
+def upstream_url(upstream_server: TestServer) -> str:
+    return str(upstream_server.make_url("")).rstrip("/")
+
+
+@pytest.fixture
+def start_proxy(aiohttp_client: ClientFactory) -> Callable[[Config], Awaitable[ProxyUnderTest]]:
+    async def start(config: Config, **kwargs: Any) -> ProxyUnderTest:
+        client = await aiohttp_client(build_app(config, seed=1, **kwargs))
+        return ProxyUnderTest(client)
+
+    return start

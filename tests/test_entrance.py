@@ -1,0 +1,187 @@
+"""The entrance against a real proxy and a fake upstream: identity, headers, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from proxy.settings import Config
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, make_config
+from tests.upstreams import Upstream
+
+Start = Callable[[Config], Awaitable[ProxyUnderTest]]
+CHAT = "/v1/chat/completions"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+
+
+async def test_forwards_with_request_id_and_server_timing(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """A served request carries X-Request-Id and Server-Timing; the key is not forwarded."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(CHAT, json={"max_tokens": 2}, headers=AUTH)
+    assert resp.status == 200
+    assert (await resp.json())["usage"]["completion_tokens"] == 2
+    assert len(resp.headers["X-Request-Id"]) == 32
+    timing = resp.headers["Server-Timing"]
+    assert all(f"{name};dur=" in timing for name in ("entrance", "queue", "upstream"))
+    sent = upstream_state.seen[-1]
+    assert "Authorization" not in sent and KEY_A not in str(dict(sent))
+    assert sent["X-Request-Id"] == resp.headers["X-Request-Id"]
+    assert 0 < int(sent["X-Request-Timeout-Ms"]) <= 60_000
+    assert sent["X-Forwarded-For"] == "127.0.0.1"
+    proxy.assert_idle()
+
+
+async def test_keeps_a_valid_client_request_id_and_replaces_a_bad_one(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """X-Request-Id of 1..128 visible ASCII is kept; anything else is replaced."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.get("/x", headers={**AUTH, "X-Request-Id": "abc-123"})
+    assert resp.headers["X-Request-Id"] == "abc-123"
+    resp = await proxy.client.get("/x", headers={**AUTH, "X-Request-Id": "a" * 129})
+    assert resp.headers["X-Request-Id"] != "a" * 129
+
+
+async def test_x_api_key_and_client_timeout_header(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """X-API-Key identifies the tenant; X-Request-Timeout-Ms shortens the total budget."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(
+        CHAT, json={}, headers={"X-API-Key": KEY_A, "X-Request-Timeout-Ms": "1500"}
+    )
+    assert resp.status == 200
+    assert 0 < int(upstream_state.seen[-1]["X-Request-Timeout-Ms"]) <= 1500
+    assert "X-API-Key" not in upstream_state.seen[-1]
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "reason"),
+    [
+        ({}, 401, "unauthenticated"),
+        ({"Authorization": "Bearer nope"}, 401, "unauthenticated"),
+        ({"Authorization": "Basic abc"}, 401, "unauthenticated"),
+        ({**AUTH, "X-Priority": "urgent"}, 400, "bad_request"),
+        ({**AUTH, "X-Request-Timeout-Ms": "soon"}, 400, "bad_request"),
+        ({**AUTH, "X-Request-Timeout-Ms": "0"}, 400, "bad_request"),
+        ({**AUTH, "X-Priority": "batch"}, 403, "priority_not_allowed"),
+    ],
+)
+async def test_bad_headers_are_refused_with_their_reason(
+    start_proxy: Start,
+    upstream_url: str,
+    upstream_state: Upstream,
+    headers: dict[str, str],
+    status: int,
+    reason: str,
+) -> None:
+    """Each bad header gets its documented status and reason, and reaches no replica."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(CHAT, json={}, headers=headers)
+    assert resp.status == status
+    assert resp.headers["X-Admission-Reason"] == reason
+    body = await resp.json()
+    assert body["error"]["code"] == reason and body["error"]["type"] == "admission_error"
+    assert "X-Request-Id" in resp.headers and "Server-Timing" in resp.headers
+    assert upstream_state.seen == []
+    proxy.assert_idle()
+
+
+async def test_allowed_priority_is_accepted(start_proxy: Start, upstream_url: str) -> None:
+    """A class in allowed_priorities passes."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(CHAT, json={}, headers={**AUTH, "X-Priority": "interactive"})
+    assert resp.status == 200
+
+
+async def test_anonymous_tenant(start_proxy: Start, upstream_url: str) -> None:
+    """With anonymous set to a tenant, a request without a key is served as that tenant."""
+    tenants = {"a": {"api_keys": [KEY_A]}, "public": {"queue_capacity": 1}}
+    proxy = await start_proxy(make_config([upstream_url], tenants=tenants, anonymous="public"))
+    assert (await proxy.client.post(CHAT, json={})).status == 200
+    resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer wrong"})
+    assert resp.status == 401
+
+
+async def test_body_too_large_by_content_length_and_by_stream(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """Over max_body_bytes: 413, whether announced in Content-Length or sent chunked."""
+    proxy = await start_proxy(make_config([upstream_url], server={"max_body_bytes": 100}))
+    resp = await proxy.client.post(CHAT, data=b"x" * 101, headers=AUTH)
+    assert resp.status == 413
+    assert resp.headers["X-Admission-Reason"] == "body_too_large"
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        for _ in range(5):
+            yield b"y" * 50
+
+    resp = await proxy.client.post(CHAT, data=chunks(), headers=AUTH)
+    assert resp.status == 413
+    assert upstream_state.seen == []
+    proxy.assert_idle()
+
+
+async def test_invalid_json_on_inference_route(start_proxy: Start, upstream_url: str) -> None:
+    """Invalid JSON on an inference route: 400 bad_request."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(CHAT, data=b"{not json", headers=AUTH)
+    assert resp.status == 400
+    assert resp.headers["X-Admission-Reason"] == "bad_request"
+
+
+async def test_slow_body_gets_408(start_proxy: Start, upstream_url: str) -> None:
+    """A client that announces a body and sends only part of it gets 408 after entrance_ms."""
+    proxy = await start_proxy(make_config([upstream_url], server={"entrance_ms": 200}))
+    host, port = proxy.client.server.host, proxy.client.server.port
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode()
+    )
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=5)
+    assert b" 408 " in status_line
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+    assert b"X-Admission-Reason: entrance_timeout" in head
+    writer.close()
+    proxy.assert_idle()
+
+
+async def test_reserved_paths_are_not_proxied(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """/healthz, /readyz and /metrics answer from the proxy itself, without a key."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    assert (await proxy.client.get("/healthz")).status == 200
+    assert (await proxy.client.get("/readyz")).status == 200
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert "admission_replica_limit" in metrics
+    assert upstream_state.seen == []
+
+
+async def test_other_paths_are_proxied_to_the_replica(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """Any non-reserved path goes to a configured replica, query string included."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post("/custom/route?x=1", data=b"abc", headers=AUTH)
+    assert resp.status == 200
+    assert await resp.json() == {"method": "POST", "path": "/custom/route?x=1", "body_bytes": 3}
+    resp = await proxy.client.get("/v1/models", headers=AUTH)
+    assert resp.status == 200
+    proxy.assert_idle()
+
+
+async def test_upstream_status_passes_through(start_proxy: Start, upstream_url: str) -> None:
+    """An upstream's own 4xx keeps its status and body, tagged upstream_status."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post("/status/422", json={}, headers=AUTH)
+    assert resp.status == 422
+    assert resp.headers["X-Admission-Reason"] == "upstream_status"
+    assert (await resp.json())["error"]["message"] == "status 422"
