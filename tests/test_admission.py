@@ -1,0 +1,238 @@
+"""Queues, seats and layered timeouts end to end: a real proxy before a fake upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from proxy.settings import Config
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+from tests.upstreams import Upstream
+
+Start = Callable[[Config], Awaitable[ProxyUnderTest]]
+CHAT = "/v1/chat/completions"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+
+
+def one_seat(upstream_url: str, **sections: Any) -> Config:
+    tenants = {
+        "a": {"api_keys": [KEY_A], "queue_capacity": 2},
+        "b": {"api_keys": [KEY_B], "queue_capacity": 2},
+    }
+    return make_config([upstream_url], seats=1, tenants=tenants, **sections)
+
+
+async def test_overload_one_seat_queue_of_two(start_proxy: Start, upstream_url: str) -> None:
+    """1 seat, tenant queue 2, 8 concurrent requests: 3 served, 5 refused tenant_queue_full."""
+    proxy = await start_proxy(one_seat(upstream_url))
+
+    async def call() -> tuple[int, str | None, str | None]:
+        resp = await proxy.client.post(CHAT, json={"hang_ms": 300}, headers=AUTH)
+        await resp.read()
+        return resp.status, resp.headers.get("X-Admission-Reason"), resp.headers.get("Retry-After")
+
+    results = await asyncio.gather(*(call() for _ in range(8)))
+    served = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(served) == 3 and len(refused) == 5, results
+    assert all(reason == "tenant_queue_full" for _, reason, _ in refused)
+    assert all(ra is not None and 1 <= int(ra) <= 60 for _, _, ra in refused)
+    proxy.assert_idle()
+
+
+async def test_queue_timeout_at_the_budget(start_proxy: Start, upstream_url: str) -> None:
+    """A queued request behind a busy seat gets 503 queue_timeout when queue_ms ends."""
+    proxy = await start_proxy(one_seat(upstream_url, budgets={"queue_ms": 300}))
+    holder = asyncio.ensure_future(
+        proxy.client.post(CHAT, json={"hang_ms": 2500}, headers=AUTH)
+    )
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 1)
+    started = time.monotonic()
+    resp = await proxy.client.post(CHAT, json={}, headers=AUTH)
+    waited = time.monotonic() - started
+    assert resp.status == 503
+    assert resp.headers["X-Admission-Reason"] == "queue_timeout"
+    assert 1 <= int(resp.headers["Retry-After"]) <= 60
+    assert 0.3 <= waited < 1.5
+    assert (await holder).status == 200
+    proxy.assert_idle()
+
+
+async def test_first_byte_timeout(start_proxy: Start, upstream_url: str) -> None:
+    """A streaming request to a replica that hangs before the first byte: 504."""
+    proxy = await start_proxy(make_config([upstream_url], budgets={"first_byte_ms": 200}))
+    started = time.monotonic()
+    resp = await proxy.client.post(
+        CHAT, json={"stream": True, "hang_ms": 3000}, headers=AUTH
+    )
+    assert resp.status == 504
+    assert resp.headers["X-Admission-Reason"] == "first_byte_timeout"
+    assert 0.2 <= time.monotonic() - started < 1.5
+    proxy.assert_idle()
+
+
+async def test_total_timeout_bounds_a_non_streaming_request(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """Non-streaming requests are bounded by the total budget alone: 504 total_timeout."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    headers = {**AUTH, "X-Request-Timeout-Ms": "300"}
+    resp = await proxy.client.post(CHAT, json={"hang_ms": 3000}, headers=headers)
+    assert resp.status == 504
+    assert resp.headers["X-Admission-Reason"] == "total_timeout"
+    proxy.assert_idle()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_refused_connection_is_502(start_proxy: Start) -> None:
+    """A replica that refuses connections: 502 upstream_connect_error."""
+    proxy = await start_proxy(make_config([f"http://127.0.0.1:{_closed_port()}"]))
+    resp = await proxy.client.post(CHAT, json={}, headers=AUTH)
+    assert resp.status == 502
+    assert resp.headers["X-Admission-Reason"] == "upstream_connect_error"
+    proxy.assert_idle()
+
+
+async def _sse_events(resp: aiohttp.ClientResponse) -> list[Any]:
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+async def test_streams_event_by_event(start_proxy: Start, upstream_url: str) -> None:
+    """SSE arrives as events while the upstream produces them; usage counted."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(
+        CHAT, json={"stream": True, "max_tokens": 4, "gap_ms": 20}, headers=AUTH
+    )
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = await _sse_events(resp)
+    contents = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
+    assert contents == ["", "tok0 ", "tok1 ", "tok2 ", "tok3 "]
+    proxy.assert_idle()
+
+
+async def test_stream_cut_by_replica_ends_with_an_error_event(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """The replica drops a stream mid-way: one SSE error event, then the stream ends."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(
+        CHAT, json={"stream": True, "max_tokens": 5, "cut_after": 2}, headers=AUTH
+    )
+    assert resp.status == 200
+    events = await asyncio.wait_for(_sse_events(resp), timeout=5)
+    assert events[-1]["error"]["code"] == "upstream_protocol_error"
+    assert sum(1 for e in events if "choices" in e) == 3  # role chunk + 2 tokens
+    proxy.assert_idle()
+
+
+async def test_idle_gap_ends_the_stream_with_idle_timeout(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """A gap between chunks longer than idle_ms: SSE error event idle_timeout."""
+    proxy = await start_proxy(make_config([upstream_url], timeouts={"idle_ms": 100}))
+    resp = await proxy.client.post(
+        CHAT, json={"stream": True, "max_tokens": 3, "gap_ms": 400}, headers=AUTH
+    )
+    events = await asyncio.wait_for(_sse_events(resp), timeout=5)
+    assert events[-1]["error"]["code"] == "idle_timeout"
+    proxy.assert_idle()
+
+
+async def test_disconnect_while_queued_frees_the_place_at_once(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """A client that leaves while queued: its queue place is freed at once."""
+    proxy = await start_proxy(one_seat(upstream_url))
+    holder = asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 800}, headers=AUTH))
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 1)
+    waiter = asyncio.ensure_future(proxy.client.post(CHAT, json={}, headers=AUTH))
+    await wait_for(lambda: len(proxy.runtime.dispatcher.scheduler) == 1)
+    waiter.cancel()
+    await wait_for(lambda: len(proxy.runtime.dispatcher.scheduler) == 0, timeout_s=1.0)
+    assert proxy.runtime.dispatcher.scheduler.depth("a") == 0
+    assert (await holder).status == 200
+    proxy.assert_idle()
+
+
+async def test_disconnect_while_streaming_closes_the_upstream(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """A client that leaves mid-stream: the upstream connection is closed, the seat freed."""
+    config = make_config([upstream_url], timeouts={"cancel_grace_ms": 50})
+    proxy = await start_proxy(config)
+    resp = await proxy.client.post(
+        CHAT, json={"stream": True, "max_tokens": 200, "gap_ms": 10}, headers=AUTH
+    )
+    await resp.content.readline()
+    resp.close()
+    await wait_for(lambda: upstream_state.aborted == 1)
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
+    assert upstream_state.completed == 0
+    proxy.assert_idle()
+
+
+async def test_counters_return_to_zero_after_random_cancellations(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """Hundreds of requests, some cancelled, some timing out: every counter ends at zero."""
+    config = make_config(
+        [upstream_url],
+        seats=3,
+        budgets={"queue_ms": 150, "first_byte_ms": 120},
+        timeouts={"cancel_grace_ms": 20, "idle_ms": 80},
+        tenants={
+            "a": {"api_keys": [KEY_A], "queue_capacity": 8},
+            "b": {"api_keys": [KEY_B], "queue_capacity": 8, "max_concurrency": 2},
+        },
+    )
+    proxy = await start_proxy(config)
+    rng = random.Random(7)
+    statuses: list[int | str] = []
+
+    async def one(i: int) -> None:
+        key = KEY_A if i % 2 else KEY_B
+        body = {
+            "stream": rng.random() < 0.5,
+            "max_tokens": rng.randint(1, 6),
+            "gap_ms": rng.choice([0, 5, 100]),
+            "hang_ms": rng.choice([0, 0, 20, 200]),
+        }
+        task = asyncio.ensure_future(
+            proxy.client.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
+        )
+        if rng.random() < 0.3:
+            await asyncio.sleep(rng.random() * 0.1)
+            task.cancel()
+            statuses.append("cancelled")
+            return
+        try:
+            resp = await task
+            await resp.read()
+            statuses.append(resp.status)
+        except aiohttp.ClientPayloadError:
+            statuses.append("cut")
+
+    for start in range(0, 300, 30):
+        await asyncio.gather(*(one(i) for i in range(start, start + 30)))
+    await wait_for(lambda: not proxy.runtime.active and proxy.runtime.pool.total_inflight() == 0)
+    proxy.assert_idle()
+    assert len(statuses) == 300
+    assert {200, 429, 503, 504, "cancelled"} <= set(statuses)
