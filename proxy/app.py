@@ -38,7 +38,11 @@ def _default_session(config: Config) -> aiohttp.ClientSession:
 
 
 def build_runtime(
-    config: Config, *, clock: Clock | None = None, seed: int | None = None
+    config: Config,
+    *,
+    clock: Clock | None = None,
+    seed: int | None = None,
+    access_log: bool = True,
 ) -> Runtime:
     clock = clock or LoopClock()
     rules = Rules.from_config(config)
@@ -52,7 +56,9 @@ def build_runtime(
     quotas = EntranceQuotas(clock)
     quotas.configure(rules.rate_limits())
     telemetry = Telemetry(
-        Metrics(), TenantLabels(config.tenants, config.telemetry.max_tenant_labels)
+        Metrics(),
+        TenantLabels(config.tenants, config.telemetry.max_tenant_labels),
+        access_log=access_log,
     )
     return Runtime(rules, clock, pool, dispatcher, quotas, telemetry)
 
@@ -63,9 +69,10 @@ def build_app(
     clock: Clock | None = None,
     session_factory: SessionFactory | None = None,
     seed: int | None = None,
+    access_log: bool = True,
 ) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
-    runtime = build_runtime(config, clock=clock, seed=seed)
+    runtime = build_runtime(config, clock=clock, seed=seed, access_log=access_log)
     # The entrance enforces max_body_bytes itself, with the contract's 413 answer.
     app = web.Application(client_max_size=config.server.max_body_bytes + 1)
     app[RUNTIME] = runtime
