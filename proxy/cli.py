@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from proxy.lifecycle import serve
 
         host = args.host or config.server.host
-        port = args.port or config.server.port
+        port = args.port if args.port is not None else config.server.port
         return run_async(serve(config, host, port))
     if args.command == "sim":
         from proxy.sim.cli import run_sim

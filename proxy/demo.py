@@ -25,6 +25,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.keys import RUNTIME
+from proxy.lifecycle import bound_port
 from proxy.settings import Config, load_config
 from proxy.sim import SimConfig, SimServer, start_sim
 
@@ -192,10 +193,7 @@ async def run_demo(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    server = site._server
-    assert server is not None and hasattr(server, "sockets")
-    port = server.sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{bound_port(site)}"
     print(f"proxy on {url}; replicas: " + ", ".join(s.url for s in sims), file=out)
     print(f"driving {duration_s:.0f} s of mixed traffic from 3 tenants...", file=out, flush=True)
     stats = {name: TenantStats() for name in config.tenants}

@@ -23,6 +23,13 @@ from proxy.settings import Config
 
 log = structlog.get_logger(__name__)
 
+def bound_port(site: web.TCPSite) -> int | None:
+    """The port the OS gave the listener (``--port 0`` picks a free one)."""
+    server = site._server
+    sockets = getattr(server, "sockets", None)
+    return int(sockets[0].getsockname()[1]) if sockets else None
+
+
 def begin_shutdown(runtime: Runtime) -> None:
     """Stop admitting: readiness fails, the queue is answered, arrivals are refused."""
     if runtime.shutting_down:
@@ -38,7 +45,12 @@ async def serve(config: Config, host: str, port: int) -> int:
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
-    log.info("listening", host=host, port=port, replicas=[r.name for r in config.replicas])
+    log.info(
+        "listening",
+        host=host,
+        port=bound_port(site) or port,
+        replicas=[r.name for r in config.replicas],
+    )
 
     stop = asyncio.Event()
     signals = 0
