@@ -117,9 +117,7 @@ async def _one_request(
     stats.latencies.append(time.monotonic() - started)
 
 
-async def _drive(
-    url: str, duration_s: float, stats: dict[str, TenantStats], out: TextIO
-) -> None:
+async def _drive(url: str, duration_s: float, stats: dict[str, TenantStats], out: TextIO) -> None:
     rng = random.Random(42)
     connector = aiohttp.TCPConnector(limit=1000)
     async with aiohttp.ClientSession(connector=connector) as session:

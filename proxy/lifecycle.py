@@ -23,6 +23,7 @@ from proxy.settings import Config
 
 log = structlog.get_logger(__name__)
 
+
 def bound_port(site: web.TCPSite) -> int | None:
     """The port the OS gave the listener (``--port 0`` picks a free one)."""
     server = site._server

@@ -46,7 +46,7 @@ async def upstream_server(aiohttp_server: ServerFactory) -> TestServer:
 
 @pytest.fixture
 def upstream_state(upstream_server: TestServer) -> Upstream:
-    return upstream_server.app[UPSTREAM]  # type: ignore[index]
+    return upstream_server.app[UPSTREAM]
 
 
 @pytest.fixture

@@ -51,9 +51,7 @@ async def test_overload_one_seat_queue_of_two(start_proxy: Start, upstream_url: 
 async def test_queue_timeout_at_the_budget(start_proxy: Start, upstream_url: str) -> None:
     """A queued request behind a busy seat gets 503 queue_timeout when queue_ms ends."""
     proxy = await start_proxy(one_seat(upstream_url, budgets={"queue_ms": 300}))
-    holder = asyncio.ensure_future(
-        proxy.client.post(CHAT, json={"hang_ms": 2500}, headers=AUTH)
-    )
+    holder = asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 2500}, headers=AUTH))
     await wait_for(lambda: proxy.runtime.pool.total_inflight() == 1)
     started = time.monotonic()
     resp = await proxy.client.post(CHAT, json={}, headers=AUTH)
@@ -70,9 +68,7 @@ async def test_first_byte_timeout(start_proxy: Start, upstream_url: str) -> None
     """A streaming request to a replica that hangs before the first byte: 504."""
     proxy = await start_proxy(make_config([upstream_url], budgets={"first_byte_ms": 200}))
     started = time.monotonic()
-    resp = await proxy.client.post(
-        CHAT, json={"stream": True, "hang_ms": 3000}, headers=AUTH
-    )
+    resp = await proxy.client.post(CHAT, json={"stream": True, "hang_ms": 3000}, headers=AUTH)
     assert resp.status == 504
     assert resp.headers["X-Admission-Reason"] == "first_byte_timeout"
     assert 0.2 <= time.monotonic() - started < 1.5

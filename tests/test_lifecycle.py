@@ -96,7 +96,9 @@ async def test_check_config_cli(tmp_path: Path) -> None:
     assert good.returncode == 0
     assert yaml.safe_load(out)["retry"]["jitter"] == "full"
     bad = tmp_path / "bad.yaml"
-    bad.write_text("replicas:\n  - name: r\n    url: ftp://x\n    max_concurrency: 0\ntenants: {}\n")
+    bad.write_text(
+        "replicas:\n  - name: r\n    url: ftp://x\n    max_concurrency: 0\ntenants: {}\n"
+    )
     proc = await asyncio.create_subprocess_exec(
         *CLI, "check-config", str(bad), stderr=asyncio.subprocess.PIPE
     )

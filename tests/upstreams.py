@@ -38,7 +38,11 @@ UPSTREAM: web.AppKey[Upstream] = web.AppKey("upstream", Upstream)
 
 def _chunk(content: str | None, *, role: bool = False) -> bytes:
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": content}
-    event = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+    event = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta}],
+    }
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
