@@ -237,6 +237,9 @@ class Dispatcher:
                 ticket = self.scheduler.pop(lambda tenant: not self._at_cap(tenant))
                 if ticket is None:
                     return
+                if ticket.future is None or ticket.future.done():
+                    # Its waiter was cancelled and has not yet run ``_abandon``.
+                    continue
                 now = self._clock.now()
                 if ticket.expires_at <= now:
                     self._fail(ticket, self._timeout_for(ticket, now))

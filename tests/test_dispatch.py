@@ -1,0 +1,195 @@
+"""The dispatcher and scheduler without sockets: a fake clock and plain objects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from proxy.clock import FakeClock
+from proxy.deadline import Deadline
+from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.errors import QueueTimeout, TenantConcurrency, TenantQueueFull
+from proxy.queues import Ticket
+from proxy.replicas import Replica, ReplicaPool
+from proxy.scheduler import RoundRobinScheduler
+from proxy.settings import BudgetsConfig, ReplicaConfig
+
+WEIGHTS = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}
+BUDGETS = BudgetsConfig(queue_ms=1000, first_byte_ms=1000, total_ms=5000)
+
+
+def make_dispatcher(
+    clock: FakeClock, seats: int = 1, limits: dict[str, TenantLimits] | None = None
+) -> Dispatcher:
+    replica = Replica(ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=seats))
+    limits = limits or {
+        "a": TenantLimits(max_concurrency=None, queue_capacity=4),
+        "b": TenantLimits(max_concurrency=None, queue_capacity=4),
+    }
+    return Dispatcher(ReplicaPool([replica]), RoundRobinScheduler(WEIGHTS), clock, limits)
+
+
+def enqueue(d: Dispatcher, clock: FakeClock, tenant: str, priority: str = "standard") -> Ticket:
+    return d.enqueue(tenant, priority, 10.0, Deadline.start(clock.now(), BUDGETS))
+
+
+async def test_free_seat_is_granted_at_once_and_released() -> None:
+    """A lone ticket with a free seat is granted before enqueue returns."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    ticket = enqueue(d, clock, "a")
+    seat = await d.wait(ticket)
+    assert d.inflight("a") == 1 and d.pool.total_inflight() == 1
+    d.finish(ticket, seat)
+    assert d.inflight("a") == 0 and d.pool.total_inflight() == 0
+    assert "0 active, 0 queued" in repr(d)
+
+
+async def test_queue_capacity_bounds_each_tenant() -> None:
+    """Past queue_capacity the tenant is refused with tenant_queue_full; others are not."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    first = enqueue(d, clock, "a")
+    queued = [enqueue(d, clock, "a") for _ in range(4)]
+    with pytest.raises(TenantQueueFull) as info:
+        enqueue(d, clock, "a")
+    assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
+    other = enqueue(d, clock, "b")  # tenant b has its own queue
+    assert len(d.scheduler) == 5
+    for ticket in [*queued, other]:
+        assert ticket.future is not None
+        ticket.future.cancel()
+        d._abandon(ticket)
+    d.finish(first, await d.wait(first))
+
+
+async def test_cancelled_waiter_is_skipped_before_it_cleans_up() -> None:
+    """A waiter cancelled but not yet resumed never receives a seat; the next ticket does."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    holder = enqueue(d, clock, "a")
+    seat = await d.wait(holder)
+    gone = enqueue(d, clock, "a")
+    next_ticket = enqueue(d, clock, "b")
+    assert gone.future is not None
+    gone.future.cancel()  # what task cancellation does before the task runs again
+    d.finish(holder, seat)
+    assert next_ticket.future is not None and next_ticket.future.done()
+    d.finish(next_ticket, await d.wait(next_ticket))
+    d._abandon(gone)
+    assert len(d.scheduler) == 0 and d.pool.total_inflight() == 0
+
+
+async def test_an_expired_ticket_is_never_granted_even_if_its_timer_is_late() -> None:
+    """When a seat frees after a ticket's queue budget ended, the ticket fails instead."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    holder = enqueue(d, clock, "a")
+    seat = await d.wait(holder)
+    late = enqueue(d, clock, "b")
+    clock.advance(1.5)  # past queue_ms; the real-time timer has not fired
+    d.finish(holder, seat)
+    with pytest.raises(QueueTimeout):
+        await d.wait(late)
+    assert d.pool.total_inflight() == 0 and len(d.scheduler) == 0
+
+
+async def test_queue_timer_fires_at_the_budget() -> None:
+    """With the loop's own clock, a queued ticket fails when its budget ends."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    holder = enqueue(d, clock, "a")
+    seat = await d.wait(holder)
+    budgets = BudgetsConfig(queue_ms=20, first_byte_ms=1000, total_ms=5000)
+    waiting = d.enqueue("b", "standard", 1.0, Deadline.start(clock.now(), budgets))
+    clock.advance(0.02)
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(d.wait(waiting), timeout=2)
+    d.finish(holder, seat)
+
+
+async def test_tenant_cap_holds_and_other_tenants_use_the_seats() -> None:
+    """A tenant at max_concurrency waits; another tenant takes the free seat meanwhile."""
+    clock = FakeClock()
+    limits = {
+        "a": TenantLimits(max_concurrency=1, queue_capacity=4),
+        "b": TenantLimits(max_concurrency=None, queue_capacity=4),
+    }
+    d = make_dispatcher(clock, seats=3, limits=limits)
+    a1, a2 = enqueue(d, clock, "a"), enqueue(d, clock, "a")
+    b1 = enqueue(d, clock, "b")
+    assert a1.future is not None and a1.future.done()
+    assert a2.future is not None and not a2.future.done()
+    assert b1.future is not None and b1.future.done()
+    assert d.inflight("a") == 1
+    d.finish(a1, await d.wait(a1))
+    assert a2.future.done()
+    d.finish(a2, await d.wait(a2))
+    d.finish(b1, await d.wait(b1))
+
+
+async def test_queue_capacity_zero_at_cap_is_tenant_concurrency() -> None:
+    """With queue_capacity 0, a tenant at its cap is refused at once with 429."""
+    clock = FakeClock()
+    limits = {"a": TenantLimits(max_concurrency=1, queue_capacity=0)}
+    d = make_dispatcher(clock, seats=2, limits=limits)
+    first = enqueue(d, clock, "a")
+    with pytest.raises(TenantConcurrency):
+        enqueue(d, clock, "a")
+    d.finish(first, await d.wait(first))
+
+
+async def test_close_answers_every_queued_ticket() -> None:
+    """Shutdown: each queued ticket fails with shutting_down; new ones are refused."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    holder = enqueue(d, clock, "a")
+    queued = [enqueue(d, clock, t) for t in ("a", "b", "b")]
+    d.close()
+    for ticket in queued:
+        with pytest.raises(Exception, match="shutting down"):
+            await d.wait(ticket)
+    with pytest.raises(Exception, match="shutting down"):
+        enqueue(d, clock, "a")
+    d.finish(holder, await d.wait(holder))
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [
+        ({"interactive": 8.0, "standard": 3.0, "batch": 1.0}, {"interactive": 8, "standard": 3,
+                                                               "batch": 1}),
+        ({"interactive": 1.0, "standard": 1.0, "batch": 1.0}, {"interactive": 1, "standard": 1,
+                                                               "batch": 1}),
+    ],
+)  # fmt: skip
+def test_round_robin_shares_follow_class_weights(
+    weights: dict[str, float], expected: dict[str, int]
+) -> None:
+    """All classes backlogged: dispatches per class follow the class weights exactly."""
+    scheduler = RoundRobinScheduler(weights)
+    for i in range(1200):
+        for cls in weights:
+            scheduler.push(Ticket(tenant=f"t{i % 3}", priority=cls, cost=1, enqueued_at=0,
+                                  expires_at=9))  # fmt: skip
+    total = sum(expected.values())
+    counts = Counter(
+        ticket.priority
+        for _ in range(total * 100)
+        if (ticket := scheduler.pop(lambda _t: True)) is not None
+    )
+    assert counts == {cls: share * 100 for cls, share in expected.items()}
+
+
+def test_round_robin_alternates_tenants_within_a_class() -> None:
+    """Inside one class, tenants take turns whatever their queue lengths."""
+    scheduler = RoundRobinScheduler(WEIGHTS)
+    for tenant, n in (("big", 10), ("small", 2)):
+        for _ in range(n):
+            scheduler.push(Ticket(tenant=tenant, priority="standard", cost=1, enqueued_at=0,
+                                  expires_at=9))  # fmt: skip
+    order = [t.tenant for _ in range(4) if (t := scheduler.pop(lambda _t: True))]
+    assert order == ["big", "small", "big", "small"]
+    assert scheduler.depth("small") == 0 and scheduler.depth("big") == 8
