@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -232,3 +233,31 @@ async def test_counters_return_to_zero_after_random_cancellations(
     proxy.assert_idle()
     assert len(statuses) == 300
     assert {200, 429, 503, 504, "cancelled"} <= set(statuses)
+
+
+async def test_connect_timeout_is_504(start_proxy: Start) -> None:
+    """A replica whose accept backlog is full never completes the handshake: 504."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(3):  # fill the backlog so the proxy's SYN is dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        config = make_config([f"http://127.0.0.1:{port}"], timeouts={"connect_ms": 200})
+        proxy = await start_proxy(config)
+        started = time.monotonic()
+        resp = await proxy.client.post(CHAT, json={}, headers=AUTH)
+        assert resp.status == 504
+        assert resp.headers["X-Admission-Reason"] == "connect_timeout"
+        assert 0.2 <= time.monotonic() - started < 1.5
+        proxy.assert_idle()
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
