@@ -133,12 +133,12 @@ async def _next_chunk(
     try:
         async with asyncio.timeout(min(idle_s, remaining)):
             return await upstream.content.readany()
+    except aiohttp.ClientError as exc:  # first: some of aiohttp's are TimeoutErrors too
+        raise UpstreamProtocolError(f"upstream answer broke off: {type(exc).__name__}") from exc
     except TimeoutError as exc:
         if remaining <= idle_s:
             raise TotalTimeout("the request's total budget ran out mid-answer") from exc
         raise IdleTimeout(f"no upstream bytes for {idle_s * 1000:.0f} ms") from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamProtocolError(f"upstream answer broke off: {type(exc).__name__}") from exc
 
 
 async def _end_broken(

@@ -113,6 +113,11 @@ async def attempt(
                 allow_redirects=False,
             )
             first_chunk = await response.content.readany()
+    except aiohttp.ClientError as exc:
+        # Before TimeoutError: aiohttp's connect timeout is a subclass of both.
+        if response is not None:
+            response.close()
+        raise translate(exc, replica) from exc
     except TimeoutError as exc:
         if response is not None:
             response.close()
@@ -125,11 +130,9 @@ async def attempt(
         raise FirstByteTimeout(
             f"replica {replica.name} sent no first byte within {waited_ms:.0f} ms"
         ) from exc
-    except BaseException as exc:
+    except BaseException:
         if response is not None:
             response.close()
-        if isinstance(exc, aiohttp.ClientError):
-            raise translate(exc, replica) from exc
         raise
     return Committed(response, first_chunk, sent_at, clock.now())
 
