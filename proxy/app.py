@@ -24,7 +24,7 @@ from proxy.keys import RUNTIME
 from proxy.quotas import EntranceQuotas
 from proxy.replicas import Replica, ReplicaPool
 from proxy.runtime import Rules, Runtime
-from proxy.scheduler import RoundRobinScheduler
+from proxy.scheduler import FairScheduler
 from proxy.settings import Config
 from proxy.telemetry import Telemetry
 from proxy.telemetry.metrics import Metrics, TenantLabels
@@ -51,7 +51,10 @@ def build_runtime(
         for r in config.replicas
     ]
     pool = ReplicaPool(replicas, rng=random.Random(seed))
-    scheduler = RoundRobinScheduler({n: p.weight for n, p in config.priorities.items()})
+    scheduler = FairScheduler(
+        {n: p.weight for n, p in config.priorities.items()},
+        {n: t.weight for n, t in config.tenants.items()},
+    )
     dispatcher = Dispatcher(pool, scheduler, clock, rules.tenant_limits())
     quotas = EntranceQuotas(clock)
     quotas.configure(rules.rate_limits())

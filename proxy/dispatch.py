@@ -92,6 +92,8 @@ class Dispatcher:
     def set_limits(self, limits: Mapping[str, TenantLimits]) -> None:
         """New caps and capacities apply at once; nothing queued is evicted."""
         self._limits = dict(limits)
+        for tenant in set(self._inflight) | set(self._limits):
+            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
         self._pump()
 
     def limits_for(self, tenant: str) -> TenantLimits:
@@ -182,6 +184,8 @@ class Dispatcher:
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
+        if not self._at_cap(ticket.tenant):
+            self.scheduler.set_blocked(ticket.tenant, False)
         self.scheduler.finished(ticket, ticket.cost if actual_cost is None else actual_cost)
         seat.release(seat_grace_s)
         if seat_grace_s > 0:
@@ -190,7 +194,9 @@ class Dispatcher:
     def close(self) -> None:
         """Shutting down: refuse new tickets and answer every queued one."""
         self._closed = ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
-        while (ticket := self.scheduler.pop(lambda _tenant: True)) is not None:
+        for tenant in list(self._inflight):
+            self.scheduler.set_blocked(tenant, False)
+        while (ticket := self.scheduler.pop()) is not None:
             self._fail(ticket, self._closed)
 
     # -- internals ---------------------------------------------------------------------
@@ -234,7 +240,7 @@ class Dispatcher:
                 replica = self.pool.choose()
                 if replica is None:
                     return
-                ticket = self.scheduler.pop(lambda tenant: not self._at_cap(tenant))
+                ticket = self.scheduler.pop()
                 if ticket is None:
                     return
                 if ticket.future is None or ticket.future.done():
@@ -252,6 +258,8 @@ class Dispatcher:
         if ticket.timer is not None:
             ticket.timer.cancel()
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
+        if self._at_cap(ticket.tenant):
+            self.scheduler.set_blocked(ticket.tenant, True)
         self._rates.setdefault(ticket.tenant, DispatchRate()).record(now)
         self._fleet_rate.record(now)
         assert ticket.future is not None

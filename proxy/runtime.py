@@ -88,9 +88,9 @@ class Runtime:
         """Swap in a new config's rules in one step (reload)."""
         self.rules = rules
         self.dispatcher.set_limits(rules.tenant_limits())
-        self.dispatcher.scheduler.set_class_weights(
-            {name: p.weight for name, p in rules.config.priorities.items()}
-        )
+        scheduler = self.dispatcher.scheduler
+        scheduler.set_class_weights({n: p.weight for n, p in rules.config.priorities.items()})
+        scheduler.set_tenant_weights({n: t.weight for n, t in rules.config.tenants.items()})
         self.quotas.configure(rules.rate_limits())
 
     def client_session(self) -> aiohttp.ClientSession:

@@ -13,7 +13,7 @@ from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import QueueTimeout, TenantConcurrency, TenantQueueFull
 from proxy.queues import Ticket
 from proxy.replicas import Replica, ReplicaPool
-from proxy.scheduler import RoundRobinScheduler
+from proxy.scheduler import FairScheduler
 from proxy.settings import BudgetsConfig, ReplicaConfig
 
 WEIGHTS = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}
@@ -28,7 +28,7 @@ def make_dispatcher(
         "a": TenantLimits(max_concurrency=None, queue_capacity=4),
         "b": TenantLimits(max_concurrency=None, queue_capacity=4),
     }
-    return Dispatcher(ReplicaPool([replica]), RoundRobinScheduler(WEIGHTS), clock, limits)
+    return Dispatcher(ReplicaPool([replica]), FairScheduler(WEIGHTS), clock, limits)
 
 
 def enqueue(d: Dispatcher, clock: FakeClock, tenant: str, priority: str = "standard") -> Ticket:
@@ -154,42 +154,3 @@ async def test_close_answers_every_queued_ticket() -> None:
     with pytest.raises(Exception, match="shutting down"):
         enqueue(d, clock, "a")
     d.finish(holder, await d.wait(holder))
-
-
-@pytest.mark.parametrize(
-    ("weights", "expected"),
-    [
-        ({"interactive": 8.0, "standard": 3.0, "batch": 1.0}, {"interactive": 8, "standard": 3,
-                                                               "batch": 1}),
-        ({"interactive": 1.0, "standard": 1.0, "batch": 1.0}, {"interactive": 1, "standard": 1,
-                                                               "batch": 1}),
-    ],
-)  # fmt: skip
-def test_round_robin_shares_follow_class_weights(
-    weights: dict[str, float], expected: dict[str, int]
-) -> None:
-    """All classes backlogged: dispatches per class follow the class weights exactly."""
-    scheduler = RoundRobinScheduler(weights)
-    for i in range(1200):
-        for cls in weights:
-            scheduler.push(Ticket(tenant=f"t{i % 3}", priority=cls, cost=1, enqueued_at=0,
-                                  expires_at=9))  # fmt: skip
-    total = sum(expected.values())
-    counts = Counter(
-        ticket.priority
-        for _ in range(total * 100)
-        if (ticket := scheduler.pop(lambda _t: True)) is not None
-    )
-    assert counts == {cls: share * 100 for cls, share in expected.items()}
-
-
-def test_round_robin_alternates_tenants_within_a_class() -> None:
-    """Inside one class, tenants take turns whatever their queue lengths."""
-    scheduler = RoundRobinScheduler(WEIGHTS)
-    for tenant, n in (("big", 10), ("small", 2)):
-        for _ in range(n):
-            scheduler.push(Ticket(tenant=tenant, priority="standard", cost=1, enqueued_at=0,
-                                  expires_at=9))  # fmt: skip
-    order = [t.tenant for _ in range(4) if (t := scheduler.pop(lambda _t: True))]
-    assert order == ["big", "small", "big", "small"]
-    assert scheduler.depth("small") == 0 and scheduler.depth("big") == 8
