@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 from proxy.clock import Clock
 from proxy.deadline import Deadline
-from proxy.errors import QueueTimeout, ShuttingDown, TenantConcurrency, TenantQueueFull
+from proxy.errors import (
+    PredictedWaitExceedsBudget,
+    QueueTimeout,
+    ShuttingDown,
+    TenantConcurrency,
+    TenantQueueFull,
+)
 from proxy.queues import Ticket
 from proxy.replicas import ReplicaPool, Seat
 from proxy.scheduler import Scheduler
@@ -33,6 +39,11 @@ from proxy.scheduler import Scheduler
 RATE_WINDOW = 64
 #: Fallback when a tenant has no dispatch history yet.
 DEFAULT_FREE_PLACE_S = 1.0
+#: The wait estimator fails open until it has seen this many dispatches, so a
+#: cold proxy never refuses on no data.
+MIN_DISPATCHES_TO_PREDICT = 20
+#: Smoothing of the mean seat-holding time (exponentially weighted).
+SERVICE_TIME_ALPHA = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +76,23 @@ class DispatchRate:
         return len(self._times)
 
 
+class ServiceTime:
+    """Exponentially weighted mean of how long a request holds its seat."""
+
+    __slots__ = ("mean_s", "samples")
+
+    def __init__(self) -> None:
+        self.mean_s: float | None = None
+        self.samples = 0
+
+    def record(self, held_s: float) -> None:
+        self.samples += 1
+        if self.mean_s is None:
+            self.mean_s = held_s
+        else:
+            self.mean_s += SERVICE_TIME_ALPHA * (held_s - self.mean_s)
+
+
 class Dispatcher:
     """Admits tickets to seats, in the order the scheduler chooses."""
 
@@ -82,6 +110,7 @@ class Dispatcher:
         self._inflight: dict[str, int] = {}
         self._rates: dict[str, DispatchRate] = {}
         self._fleet_rate = DispatchRate()
+        self._service = ServiceTime()
         self._high_water: dict[str, int] = {}
         self._pumping = False
         self._closed: ShuttingDown | None = None
@@ -145,13 +174,22 @@ class Dispatcher:
                 f"(capacity {limits.queue_capacity})",
                 retry_after_s=self._time_to_free_place(tenant, now),
             )
+        expires_at = deadline.queue_expires_at(now)
+        if not self._can_start_now(tenant):
+            estimate = self.predict_wait(tenant, priority, now)
+            if estimate is not None and estimate > expires_at - now:
+                raise PredictedWaitExceedsBudget(
+                    f"expected wait {estimate * 1000:.0f} ms exceeds the queue budget of "
+                    f"{(expires_at - now) * 1000:.0f} ms",
+                    retry_after_s=estimate,
+                )
         loop = asyncio.get_running_loop()
         ticket = Ticket(
             tenant=tenant,
             priority=priority,
             cost=cost,
             enqueued_at=now,
-            expires_at=deadline.queue_expires_at(now),
+            expires_at=expires_at,
             future=loop.create_future(),
         )
         self.scheduler.push(ticket)
@@ -181,6 +219,8 @@ class Dispatcher:
         seat_grace_s: float = 0.0,
     ) -> None:
         """The request ended: free the tenant place now and the seat (maybe after grace)."""
+        if ticket.granted_at is not None and seat_grace_s == 0:
+            self._service.record(self._clock.now() - ticket.granted_at)
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
@@ -220,11 +260,47 @@ class Dispatcher:
         return 1.0 / per_s if per_s else DEFAULT_FREE_PLACE_S
 
     def _wait_estimate(self, now: float) -> float:
-        """Time for the queue ahead to drain at the fleet's recent dispatch rate."""
-        per_s = self._fleet_rate.per_second(now)
+        """Time for the whole queue ahead to drain (Retry-After of queue_timeout)."""
+        per_s = self._drain_rate(now)
         if not per_s:
             return DEFAULT_FREE_PLACE_S
         return (len(self.scheduler) + 1) / per_s
+
+    def _drain_rate(self, now: float) -> float | None:
+        """Dispatches per second the fleet sustains: seats over mean seat time.
+
+        The observed dispatch rate only equals capacity while saturated; at
+        the start of a burst it still reflects the quiet period before, so the
+        larger of the two is used.
+        """
+        observed = self._fleet_rate.per_second(now)
+        seats = sum(r.limit for r in self.pool.replicas if r.serving)
+        mean = self._service.mean_s
+        capacity = seats / mean if mean and seats else None
+        candidates = [r for r in (observed, capacity) if r]
+        return max(candidates) if candidates else None
+
+    def predict_wait(self, tenant: str, priority: str, now: float) -> float | None:
+        """Expected queue wait of a new ticket under the fair-share rule; None: no data.
+
+        Work ahead of it: its own flow's queue, stretched by the inverse of the
+        flow's current share of dispatches (the others' turns interleave),
+        never more than everything queued. A tenant at its own cap drains at
+        its own rate instead.
+        """
+        if len(self._fleet_rate) < MIN_DISPATCHES_TO_PREDICT:
+            return None
+        if self._at_cap(tenant):
+            rate = self._rates.get(tenant)
+            per_s = rate.per_second(now) if rate is not None else None
+            return (self.scheduler.depth(tenant) + 1) / per_s if per_s else None
+        per_s = self._drain_rate(now)
+        if not per_s:
+            return None
+        own = self.scheduler.depth_by_class(tenant, priority) + 1
+        share = self.scheduler.share_of(tenant, priority)
+        ahead = min(len(self.scheduler) + 1, own / share)
+        return ahead / per_s
 
     def pump(self) -> None:
         """Re-run dispatch after a replica became available (undrain, health)."""
@@ -257,6 +333,7 @@ class Dispatcher:
     def _grant(self, ticket: Ticket, seat: Seat, now: float) -> None:
         if ticket.timer is not None:
             ticket.timer.cancel()
+        ticket.granted_at = now
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)

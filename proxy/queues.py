@@ -36,9 +36,8 @@ class Ticket:
     future: asyncio.Future[Seat] | None = None
     timer: asyncio.TimerHandle | None = None
     id: int = field(default_factory=lambda: next(_ids))
-    #: Virtual start/finish tags for the fair scheduler (opaque to everything else).
-    start_tag: float = 0.0
-    finish_tag: float = 0.0
+    #: When the ticket got its seat (service time for the wait estimator).
+    granted_at: float | None = None
 
     def __repr__(self) -> str:
         return f"<Ticket #{self.id} {self.tenant}/{self.priority} cost={self.cost:.0f}>"

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 
 import pytest
 
 from proxy.clock import FakeClock
 from proxy.deadline import Deadline
 from proxy.dispatch import Dispatcher, TenantLimits
-from proxy.errors import QueueTimeout, TenantConcurrency, TenantQueueFull
+from proxy.errors import (
+    PredictedWaitExceedsBudget,
+    QueueTimeout,
+    TenantConcurrency,
+    TenantQueueFull,
+)
 from proxy.queues import Ticket
 from proxy.replicas import Replica, ReplicaPool
 from proxy.scheduler import FairScheduler
@@ -31,8 +35,14 @@ def make_dispatcher(
     return Dispatcher(ReplicaPool([replica]), FairScheduler(WEIGHTS), clock, limits)
 
 
-def enqueue(d: Dispatcher, clock: FakeClock, tenant: str, priority: str = "standard") -> Ticket:
-    return d.enqueue(tenant, priority, 10.0, Deadline.start(clock.now(), BUDGETS))
+def enqueue(
+    d: Dispatcher,
+    clock: FakeClock,
+    tenant: str,
+    priority: str = "standard",
+    budgets: BudgetsConfig = BUDGETS,
+) -> Ticket:
+    return d.enqueue(tenant, priority, 10.0, Deadline.start(clock.now(), budgets))
 
 
 async def test_free_seat_is_granted_at_once_and_released() -> None:
@@ -154,3 +164,76 @@ async def test_close_answers_every_queued_ticket() -> None:
     with pytest.raises(Exception, match="shutting down"):
         enqueue(d, clock, "a")
     d.finish(holder, await d.wait(holder))
+
+
+async def _warm(d: Dispatcher, clock: FakeClock, n: int, held_s: float) -> None:
+    """Serve ``n`` requests one after another, each holding its seat ``held_s``."""
+    for _ in range(n):
+        t = enqueue(d, clock, "a")
+        seat = await d.wait(t)
+        clock.advance(held_s)
+        d.finish(t, seat)
+
+
+async def test_prediction_fails_open_on_a_cold_proxy() -> None:
+    """Before about 20 dispatches the estimator says nothing and nothing is refused."""
+    clock = FakeClock()
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
+    d = make_dispatcher(clock, limits=limits)
+    await _warm(d, clock, 18, held_s=1.0)
+    assert d.predict_wait("a", "standard", clock.now()) is None
+    holder = enqueue(d, clock, "a")
+    queued = [enqueue(d, clock, "a") for _ in range(50)]  # far beyond the budget, accepted
+    assert len(d.scheduler) == 50
+    d.close()
+    for t in queued:
+        with pytest.raises(Exception, match="shutting down"):
+            await d.wait(t)
+    d.finish(holder, await d.wait(holder))
+
+
+async def test_predicted_wait_over_the_budget_is_refused_at_once() -> None:
+    """Seats turn over 10 times a second; the 11th queued request cannot start within
+    1.05 s and is refused with its estimate, taking no seat and no queue place."""
+    clock = FakeClock()
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
+    d = make_dispatcher(clock, limits=limits)
+    await _warm(d, clock, 30, held_s=0.1)
+    holder = enqueue(d, clock, "a")
+    seat = await d.wait(holder)
+    budgets = BudgetsConfig(queue_ms=1050, first_byte_ms=1000, total_ms=5000)
+    accepted = [enqueue(d, clock, "a", budgets=budgets) for _ in range(9)]
+    estimate = d.predict_wait("a", "standard", clock.now())
+    assert estimate == pytest.approx(1.0, rel=0.01)
+    accepted.append(enqueue(d, clock, "a", budgets=budgets))
+    with pytest.raises(PredictedWaitExceedsBudget) as info:
+        enqueue(d, clock, "a", budgets=budgets)
+    assert info.value.retry_after_s == pytest.approx(1.1, rel=0.01)
+    assert len(d.scheduler) == 10 and d.pool.total_inflight() == 1
+    d.close()
+    for t in accepted:
+        with pytest.raises(Exception, match="shutting down"):
+            await d.wait(t)
+    d.finish(holder, seat)
+
+
+async def test_prediction_uses_the_fair_share_of_the_flow() -> None:
+    """With a second class backlogged, a batch request's estimate stretches by its share."""
+    clock = FakeClock()
+    limits = {
+        "a": TenantLimits(max_concurrency=None, queue_capacity=100),
+        "b": TenantLimits(max_concurrency=None, queue_capacity=100),
+    }
+    d = make_dispatcher(clock, limits=limits)
+    await _warm(d, clock, 30, held_s=0.1)
+    holder = enqueue(d, clock, "a")
+    seat = await d.wait(holder)
+    patient = BudgetsConfig(queue_ms=5000, first_byte_ms=1000, total_ms=9000)
+    queued = [enqueue(d, clock, "a", "interactive", budgets=patient) for _ in range(20)]
+    # batch share is 1/9 against interactive: 1 own ticket / (1/9) = 9 ahead, at 10/s
+    assert d.predict_wait("b", "batch", clock.now()) == pytest.approx(0.9, rel=0.01)
+    d.close()
+    for t in queued:
+        with pytest.raises(Exception, match="shutting down"):
+            await d.wait(t)
+    d.finish(holder, seat)

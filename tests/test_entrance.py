@@ -185,3 +185,17 @@ async def test_upstream_status_passes_through(start_proxy: Start, upstream_url: 
     assert resp.status == 422
     assert resp.headers["X-Admission-Reason"] == "upstream_status"
     assert (await resp.json())["error"]["message"] == "status 422"
+
+
+async def test_rate_limited_with_retry_after_from_the_bucket(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """rate_per_s 0.5 with burst 2: the third quick request is refused, told to wait 2 s."""
+    tenants = {"a": {"api_keys": [KEY_A], "rate_per_s": 0.5, "burst": 2}}
+    proxy = await start_proxy(make_config([upstream_url], tenants=tenants))
+    statuses = [(await proxy.client.post(CHAT, json={}, headers=AUTH)) for _ in range(3)]
+    assert [r.status for r in statuses] == [200, 200, 429]
+    refused = statuses[2]
+    assert refused.headers["X-Admission-Reason"] == "rate_limited"
+    assert refused.headers["Retry-After"] == "2"
+    proxy.assert_idle()
