@@ -167,12 +167,12 @@ class Dispatcher:
             if limits.queue_capacity == 0 and self._at_cap(tenant):
                 raise TenantConcurrency(
                     f"tenant {tenant!r} is at its concurrency limit of {limits.max_concurrency}",
-                    retry_after_s=self._time_to_free_place(tenant, now),
+                    retry_after_s=self._time_to_free_place(tenant, priority, now),
                 )
             raise TenantQueueFull(
                 f"tenant {tenant!r} has {self.scheduler.depth(tenant)} requests queued "
                 f"(capacity {limits.queue_capacity})",
-                retry_after_s=self._time_to_free_place(tenant, now),
+                retry_after_s=self._time_to_free_place(tenant, priority, now),
             )
         expires_at = deadline.queue_expires_at(now)
         if not self._can_start_now(tenant):
@@ -254,9 +254,18 @@ class Dispatcher:
             and self.pool.choose() is not None
         )
 
-    def _time_to_free_place(self, tenant: str, now: float) -> float:
+    def _time_to_free_place(self, tenant: str, priority: str, now: float) -> float:
+        """Expected time until the tenant's queue moves by one (Retry-After of 429s).
+
+        From the tenant's own recent dispatch rate; without history, from its
+        fair share of the fleet's drain rate; only a cold proxy says 1 s.
+        """
         rate = self._rates.get(tenant)
         per_s = rate.per_second(now) if rate is not None else None
+        if not per_s:
+            drain = self._drain_rate(now)
+            if drain:
+                per_s = drain * self.scheduler.share_of(tenant, priority)
         return 1.0 / per_s if per_s else DEFAULT_FREE_PLACE_S
 
     def _wait_estimate(self, now: float) -> float:
@@ -353,7 +362,7 @@ class Dispatcher:
         if self._at_cap(ticket.tenant) and self.pool.choose() is not None:
             return TenantConcurrency(
                 f"tenant {ticket.tenant!r} stayed at its concurrency limit for the queue budget",
-                retry_after_s=self._time_to_free_place(ticket.tenant, now),
+                retry_after_s=self._time_to_free_place(ticket.tenant, ticket.priority, now),
             )
         waited_ms = (now - ticket.enqueued_at) * 1000.0
         return QueueTimeout(
