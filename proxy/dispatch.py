@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from proxy.errors import (
     TenantQueueFull,
 )
 from proxy.queues import Ticket
-from proxy.replicas import ReplicaPool, Seat
+from proxy.replicas import ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler
 
 #: Dispatch times kept per tenant to estimate its drain rate (Retry-After).
@@ -112,6 +113,8 @@ class Dispatcher:
         self._fleet_rate = DispatchRate()
         self._service = ServiceTime()
         self._high_water: dict[str, int] = {}
+        #: Retries waiting for a seat: served ahead of queued tickets.
+        self._reseating: deque[tuple[asyncio.Future[Seat], frozenset[ReplicaName]]] = deque()
         self._pumping = False
         self._closed: ShuttingDown | None = None
         pool.set_on_free(self._pump)
@@ -210,16 +213,38 @@ class Dispatcher:
             self._abandon(ticket)
             raise
 
+    async def reseat(self, exclude: frozenset[ReplicaName], timeout_s: float) -> Seat:
+        """A seat for a retry, ahead of every queued ticket, preferring another replica.
+
+        The retry kept its tenant place during its backoff; only the replica
+        seat was given back. Raises ``TimeoutError`` when none frees in time.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Seat] = loop.create_future()
+        self._reseating.append((future, exclude))
+        self._pump()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await future
+        except BaseException:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()
+            elif not future.done():
+                future.cancel()
+            with contextlib.suppress(ValueError):
+                self._reseating.remove((future, exclude))
+            raise
+
     def finish(
         self,
         ticket: Ticket,
-        seat: Seat,
+        seat: Seat | None,
         *,
         actual_cost: float | None = None,
         seat_grace_s: float = 0.0,
     ) -> None:
         """The request ended: free the tenant place now and the seat (maybe after grace)."""
-        if ticket.granted_at is not None and seat_grace_s == 0:
+        if ticket.granted_at is not None and seat is not None and seat_grace_s == 0:
             self._service.record(self._clock.now() - ticket.granted_at)
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
@@ -227,8 +252,9 @@ class Dispatcher:
         if not self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, False)
         self.scheduler.finished(ticket, ticket.cost if actual_cost is None else actual_cost)
-        seat.release(seat_grace_s)
-        if seat_grace_s > 0:
+        if seat is not None:
+            seat.release(seat_grace_s)
+        if seat is None or seat_grace_s > 0:
             self._pump()  # the tenant place freed now even though the seat did not
 
     def close(self) -> None:
@@ -321,6 +347,16 @@ class Dispatcher:
             return
         self._pumping = True
         try:
+            while self._reseating:
+                future, exclude = self._reseating[0]
+                if future.done():
+                    self._reseating.popleft()
+                    continue
+                replica = self.pool.choose(exclude)
+                if replica is None:
+                    return
+                self._reseating.popleft()
+                future.set_result(self.pool.lease(replica))
             while len(self.scheduler):
                 replica = self.pool.choose()
                 if replica is None:

@@ -46,6 +46,14 @@ class Replica:
         self.ejected = False
         self.draining = False
         self.warming = False
+        #: Engine metrics say the replica is saturated (fresh readings only).
+        self.saturated = False
+        #: Its GPU's memory is over the guard (sidecar mode).
+        self.gpu_guarded = False
+        #: Consecutive failures, and how many ejections in a row (health.py).
+        self.failures = 0
+        self.ejections = 0
+        self.ejected_until = 0.0
 
     @property
     def serving(self) -> bool:
@@ -53,15 +61,24 @@ class Replica:
         return not (self.ejected or self.draining or self.warming)
 
     @property
+    def dispatchable(self) -> bool:
+        """Serving, and neither its engine nor its GPU says to hold off."""
+        return self.serving and not (self.saturated or self.gpu_guarded)
+
+    @property
     def has_free_seat(self) -> bool:
-        return self.serving and self.inflight < self.limit
+        return self.dispatchable and self.inflight < self.limit
 
     @property
     def load(self) -> float:
         return self.inflight / self.limit
 
     def __repr__(self) -> str:
-        flags = [f for f in ("ejected", "draining", "warming") if getattr(self, f)]
+        flags = [
+            f
+            for f in ("ejected", "draining", "warming", "saturated", "gpu_guarded")
+            if getattr(self, f)
+        ]
         state = ",".join(flags) or "serving"
         return f"<Replica {self.name} {self.inflight}/{self.limit} {state}>"
 
@@ -149,7 +166,7 @@ class ReplicaPool:
 
     def choose_any(self) -> Replica | None:
         """A serving replica for seatless requests (GET, /v1/models): least loaded."""
-        serving = [r for r in self._by_name.values() if r.serving]
+        serving = [r for r in self._by_name.values() if r.serving and not r.ejected]
         if not serving:
             return None
         return min(serving, key=lambda r: (r.load, self._rng.random()))

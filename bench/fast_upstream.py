@@ -1,0 +1,70 @@
+"""An upstream that answers at once: the engine stand-in for overhead benchmarks.
+
+``POST /v1/chat/completions`` returns one small, fixed OpenAI-style completion
+(with ``usage``), so everything a benchmark measures beyond this server is the
+cost of what sits in front of it. ``/health`` and ``/v1/models`` answer too, so
+the proxy's probes and warm-up find a healthy engine.
+
+    python -m bench.fast_upstream --port 9001
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from aiohttp import web
+
+from bench.serving import run
+
+MODEL = "bench-model"
+COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    }
+).encode()
+MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+
+
+async def chat(request: web.Request) -> web.Response:
+    await request.read()  # a real engine reads the whole prompt before answering
+    return web.Response(body=COMPLETION, content_type="application/json")
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.Response(body=MODELS, content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+def build_app() -> web.Application:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    run(build_app(), args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

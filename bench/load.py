@@ -1,0 +1,128 @@
+"""Load generators for the benchmarks: closed loop and open loop, one client session.
+
+Both send the same small request again and again and keep the latency of each
+200 answer; anything else counts as an error. They run in the benchmark's own
+process, so on a small machine they compete with the servers for CPU; the
+benchmarks report the generator's own CPU per request beside the servers'.
+
+- ``closed_loop``: N clients, each sending its next request when its last one
+  ends (throughput at a fixed concurrency; p50 then follows from Little's law).
+- ``open_loop``: requests leave at a fixed rate whatever the answers do
+  (latency below saturation, not hidden by clients that wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass(slots=True)
+class Sample:
+    """Latencies (seconds, sorted) of the successful requests of one run."""
+
+    latencies: list[float]
+    errors: int
+    elapsed_s: float
+    #: Error counts by kind: ``"status 503"`` or the exception's class name.
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> int:
+        return len(self.latencies)
+
+    def rps(self) -> float:
+        return self.ok / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        return percentile(self.latencies, q) * 1000.0
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least ``q`` of the values at or below it."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, min(len(sorted_values), -int(-len(sorted_values) * q // 1)))
+    return sorted_values[rank - 1]
+
+
+class Requester:
+    """One request, sent and timed; the generators share it."""
+
+    __slots__ = ("_body", "_headers", "_session", "_url", "error_kinds", "latencies")
+
+    def __init__(
+        self, session: aiohttp.ClientSession, url: str, body: bytes, headers: Mapping[str, str]
+    ) -> None:
+        self._session = session
+        self._url = url
+        self._body = body
+        self._headers = dict(headers)
+        self.latencies: list[float] = []
+        self.error_kinds: dict[str, int] = {}
+
+    async def send(self) -> None:
+        sent = time.perf_counter()
+        try:
+            async with self._session.post(
+                self._url, data=self._body, headers=self._headers
+            ) as response:
+                await response.read()
+                error = None if response.status == 200 else f"status {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            error = type(exc).__name__
+        if error is None:
+            self.latencies.append(time.perf_counter() - sent)
+        else:
+            self.error_kinds[error] = self.error_kinds.get(error, 0) + 1
+
+    def sample(self, elapsed_s: float) -> Sample:
+        kinds = dict(self.error_kinds)
+        return Sample(sorted(self.latencies), sum(kinds.values()), elapsed_s, kinds)
+
+
+async def closed_loop(requester: Requester, total: int, concurrency: int, cap_s: float) -> Sample:
+    """``concurrency`` clients until ``total`` requests were sent or ``cap_s`` passed."""
+    issued = 0
+    start = time.perf_counter()
+    stop_at = start + cap_s
+
+    async def client() -> None:
+        nonlocal issued
+        while issued < total and time.perf_counter() < stop_at:
+            issued += 1
+            await requester.send()
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return requester.sample(time.perf_counter() - start)
+
+
+async def open_loop(requester: Requester, total: int, rate: float, cap_s: float) -> Sample:
+    """``total`` requests at ``rate`` per second, each on its own task.
+
+    Timers are coarse (libuv counts milliseconds), so each wake-up sends every
+    request that is due; latency runs from the actual send. Requests still in
+    flight when sending ends are awaited; the time cap bounds the sending.
+    """
+    tasks: set[asyncio.Task[None]] = set()
+    issued = 0
+    start = time.perf_counter()
+    stop_at = start + cap_s
+    while issued < total:
+        now = time.perf_counter()
+        if now >= stop_at:
+            break
+        due = min(total, int((now - start) * rate) + 1)
+        while issued < due:
+            issued += 1
+            task = asyncio.create_task(requester.send())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.sleep(max(0.0, start + issued / rate - time.perf_counter()))
+    sending_s = time.perf_counter() - start
+    await asyncio.gather(*tasks)
+    return requester.sample(sending_s)

@@ -1,0 +1,82 @@
+"""The reference bare pass-through: the least an aiohttp reverse proxy must do.
+
+One shared ``ClientSession`` (its connector sized for the load, not aiohttp's
+default of 100); each request's method, path, end-to-end headers and body go
+upstream, and the answer's status, end-to-end headers and body come back. No
+admission, no metrics, no log: it is the baseline this proxy's overhead is
+measured against, so it must stay honest and lean.
+
+    python -m bench.passthrough --port 9000 --upstream http://127.0.0.1:9001
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from bench.serving import run
+
+#: Upstream connections the session may hold at once (far above the benchmark's clients).
+CONNECTOR_LIMIT = 1024
+#: Hop-by-hop headers (RFC 9110 section 7.6.1), plus the framing aiohttp sets itself.
+DROPPED = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+     "transfer-encoding", "upgrade", "proxy-connection", "host", "content-length"}
+)  # fmt: skip
+SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM: web.AppKey[str] = web.AppKey("upstream", str)
+
+
+def end_to_end(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in DROPPED)
+
+
+async def forward(request: web.Request) -> web.Response:
+    body = await request.read()
+    async with request.app[SESSION].request(
+        request.method,
+        request.app[UPSTREAM] + request.rel_url.raw_path_qs,
+        headers=end_to_end(request.headers),
+        data=body or None,
+        allow_redirects=False,
+    ) as upstream:
+        answer = await upstream.read()
+        return web.Response(
+            status=upstream.status, headers=end_to_end(upstream.headers), body=answer
+        )
+
+
+def build_app(upstream: str) -> web.Application:
+    app = web.Application()
+    app[UPSTREAM] = upstream.rstrip("/")
+
+    async def session(app: web.Application) -> AsyncIterator[None]:
+        app[SESSION] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=CONNECTOR_LIMIT, limit_per_host=0),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        yield
+        await app[SESSION].close()
+
+    app.cleanup_ctx.append(session)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:9001")
+    args = parser.parse_args()
+    run(build_app(args.upstream), args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()
