@@ -33,7 +33,7 @@ from proxy.errors import (
     TenantQueueFull,
 )
 from proxy.queues import Ticket
-from proxy.replicas import ReplicaName, ReplicaPool, Seat
+from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler
 
 #: Dispatch times kept per tenant to estimate its drain rate (Retry-After).
@@ -155,57 +155,55 @@ class Dispatcher:
     # -- the admission path ------------------------------------------------------------
 
     def enqueue(self, tenant: str, priority: str, cost: float, deadline: Deadline) -> Ticket:
-        """Place a ticket in its tenant's queue, or refuse it at once.
+        """Grant a seat at once, place a ticket in its tenant's queue, or refuse.
 
-        The ticket may be granted before this returns (a free seat and nobody
-        ahead); ``wait`` then returns without suspending for long.
+        With nobody queued, a free seat and room under its cap, the ticket is
+        granted here without touching the scheduler (the common, unloaded
+        case); ``wait`` then returns without suspending.
         """
         if self._closed is not None:
             raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
         now = self._clock.now()
+        expires_at = deadline.queue_expires_at(now)
+        replica = self._replica_for_immediate_start(tenant)
+        if replica is not None:
+            ticket = Ticket(tenant, priority, cost, now, expires_at)
+            self._grant(ticket, self.pool.lease(replica), now)
+            return ticket
         limits = self.limits_for(tenant)
-        if self.scheduler.depth(tenant) >= limits.queue_capacity and not self._can_start_now(
-            tenant
-        ):
+        depth = self.scheduler.depth(tenant)
+        if depth >= limits.queue_capacity:
             if limits.queue_capacity == 0 and self._at_cap(tenant):
                 raise TenantConcurrency(
                     f"tenant {tenant!r} is at its concurrency limit of {limits.max_concurrency}",
                     retry_after_s=self._time_to_free_place(tenant, priority, now),
                 )
             raise TenantQueueFull(
-                f"tenant {tenant!r} has {self.scheduler.depth(tenant)} requests queued "
+                f"tenant {tenant!r} has {depth} requests queued "
                 f"(capacity {limits.queue_capacity})",
                 retry_after_s=self._time_to_free_place(tenant, priority, now),
             )
-        expires_at = deadline.queue_expires_at(now)
-        if not self._can_start_now(tenant):
-            estimate = self.predict_wait(tenant, priority, now)
-            if estimate is not None and estimate > expires_at - now:
-                raise PredictedWaitExceedsBudget(
-                    f"expected wait {estimate * 1000:.0f} ms exceeds the queue budget of "
-                    f"{(expires_at - now) * 1000:.0f} ms",
-                    retry_after_s=estimate,
-                )
+        estimate = self.predict_wait(tenant, priority, now)
+        if estimate is not None and estimate > expires_at - now:
+            raise PredictedWaitExceedsBudget(
+                f"expected wait {estimate * 1000:.0f} ms exceeds the queue budget of "
+                f"{(expires_at - now) * 1000:.0f} ms",
+                retry_after_s=estimate,
+            )
         loop = asyncio.get_running_loop()
-        ticket = Ticket(
-            tenant=tenant,
-            priority=priority,
-            cost=cost,
-            enqueued_at=now,
-            expires_at=expires_at,
-            future=loop.create_future(),
-        )
+        ticket = Ticket(tenant, priority, cost, now, expires_at, future=loop.create_future())
         self.scheduler.push(ticket)
-        depth = self.scheduler.depth(tenant)
-        if depth > self._high_water.get(tenant, 0):
-            self._high_water[tenant] = depth
+        if depth + 1 > self._high_water.get(tenant, 0):
+            self._high_water[tenant] = depth + 1
         self._pump()
-        if ticket.future is not None and not ticket.future.done():
-            ticket.timer = loop.call_later(max(0.0, ticket.expires_at - now), self._expire, ticket)
+        if ticket.seat is None:
+            ticket.timer = loop.call_later(max(0.0, expires_at - now), self._expire, ticket)
         return ticket
 
     async def wait(self, ticket: Ticket) -> Seat:
         """Suspend until ``ticket`` holds a seat; raises its rejection otherwise."""
+        if ticket.seat is not None:
+            return ticket.seat
         assert ticket.future is not None
         try:
             return await ticket.future
@@ -271,14 +269,11 @@ class Dispatcher:
         cap = self.limits_for(tenant).max_concurrency
         return cap is not None and self._inflight.get(tenant, 0) >= cap
 
-    def _can_start_now(self, tenant: str) -> bool:
-        """A request with nobody ahead, a free seat and room under its cap skips the queue."""
-        return (
-            self.scheduler.depth(tenant) == 0
-            and not self._at_cap(tenant)
-            and len(self.scheduler) == 0
-            and self.pool.choose() is not None
-        )
+    def _replica_for_immediate_start(self, tenant: str) -> Replica | None:
+        """A free replica when the ticket may skip the queue: nobody waits, under its cap."""
+        if len(self.scheduler) or self._reseating or self._at_cap(tenant):
+            return None
+        return self.pool.choose()
 
     def _time_to_free_place(self, tenant: str, priority: str, now: float) -> float:
         """Expected time until the tenant's queue moves by one (Retry-After of 429s).
@@ -379,13 +374,14 @@ class Dispatcher:
         if ticket.timer is not None:
             ticket.timer.cancel()
         ticket.granted_at = now
+        ticket.seat = seat
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)
         self._rates.setdefault(ticket.tenant, DispatchRate()).record(now)
         self._fleet_rate.record(now)
-        assert ticket.future is not None
-        ticket.future.set_result(seat)
+        if ticket.future is not None:
+            ticket.future.set_result(seat)
 
     def _fail(self, ticket: Ticket, error: Exception) -> None:
         if ticket.timer is not None:

@@ -36,8 +36,9 @@ class Ticket:
     future: asyncio.Future[Seat] | None = None
     timer: asyncio.TimerHandle | None = None
     id: int = field(default_factory=lambda: next(_ids))
-    #: When the ticket got its seat (service time for the wait estimator).
+    #: When the ticket got its seat (service time for the wait estimator), and the seat.
     granted_at: float | None = None
+    seat: Seat | None = None
 
     def __repr__(self) -> str:
         return f"<Ticket #{self.id} {self.tenant}/{self.priority} cost={self.cost:.0f}>"

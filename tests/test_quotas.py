@@ -71,10 +71,10 @@ async def test_tenant_cap_holds_at_every_instant_under_churn() -> None:
         elif running:
             ticket, seat = running.pop(rng.randrange(len(running)))
             d.finish(ticket, seat)
-        for t in [t for t in queued if t.future is not None and t.future.done()]:
-            queued.remove(t)
-            assert t.future is not None
-            running.append((t, t.future.result()))
+        for t in list(queued):
+            if t.seat is not None:
+                queued.remove(t)
+                running.append((t, t.seat))
         assert d.inflight("capped") <= 2
         assert d.pool.total_inflight() <= 5
         for tenant in peak:
@@ -93,7 +93,7 @@ async def test_a_lone_tenant_uses_every_seat_up_to_its_cap() -> None:
         d = make_dispatcher(clock, seats=4, limits=limits)
         tickets = [enqueue(d, clock, "a") for _ in range(6)]
         assert d.inflight("a") == expected == d.pool.total_inflight()
-        granted = [t for t in tickets if t.future is not None and t.future.done()]
+        granted = [t for t in tickets if t.seat is not None]
         for t in granted:
             d.finish(t, await d.wait(t))
         d.close()

@@ -3,19 +3,55 @@
 structlog renders JSON lines; the access line is written in exactly one place
 (``access_line``), when a request ends, with the fields of DESIGN section 7.
 API keys never reach a log: the record holds the tenant name, not the key.
+
+Lines go to stdout through ``LineLogger``, which writes without flushing at
+info level (one write syscall per request was a tenth of the proxy's CPU) and
+flushes at once from warning up; ``flush_logs`` runs on a short interval and
+at shutdown, so an access line is out within a fraction of a second.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
 from proxy.record import RequestRecord
 
 ACCESS_LOGGER = "admission.access"
+#: How often buffered log lines are flushed.
+FLUSH_INTERVAL_S = 0.2
+
+
+class LineLogger:
+    """A structlog logger writing lines to a stream, flushing only what is urgent."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def _write(self, message: str) -> None:
+        self._stream.write(message + "\n")
+
+    def _urgent(self, message: str) -> None:
+        self._stream.write(message + "\n")
+        self._stream.flush()
+
+    debug = info = msg = _write
+    warning = warn = error = err = critical = exception = fatal = failure = _urgent
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+_writer = LineLogger(sys.stdout)
+
+
+def flush_logs() -> None:
+    _writer.flush()
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -29,7 +65,7 @@ def configure_logging(level: str = "INFO") -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        logger_factory=lambda *_args: _writer,
         cache_logger_on_first_use=True,
     )
 
@@ -57,5 +93,8 @@ def access_fields(record: RequestRecord, trace_id: str | None) -> dict[str, Any]
     }
 
 
+_access = structlog.get_logger(ACCESS_LOGGER)
+
+
 def access_line(record: RequestRecord, trace_id: str | None = None) -> None:
-    structlog.get_logger(ACCESS_LOGGER).info("request", **access_fields(record, trace_id))
+    _access.info("request", **access_fields(record, trace_id))
