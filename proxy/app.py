@@ -9,6 +9,8 @@ issue) and ``session_factory`` (the upstream transport).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import random
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +29,7 @@ from proxy.runtime import Rules, Runtime
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
 from proxy.telemetry import Telemetry
+from proxy.telemetry.logs import FLUSH_INTERVAL_S, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
 from proxy.upstream import make_session
 
@@ -35,6 +38,12 @@ SessionFactory = Callable[[Config], aiohttp.ClientSession]
 
 def _default_session(config: Config) -> aiohttp.ClientSession:
     return make_session(config.timeouts.connect_ms / 1000.0)
+
+
+async def _flush_periodically() -> None:
+    while True:
+        await asyncio.sleep(FLUSH_INTERVAL_S)
+        flush_logs()
 
 
 def build_runtime(
@@ -87,6 +96,15 @@ def build_app(
         await runtime.session.close()
         runtime.session = None
 
+    async def log_flusher(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(_flush_periodically())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        flush_logs()
+
+    app.cleanup_ctx.append(log_flusher)
     app.cleanup_ctx.append(upstream_session)
     add_admin_routes(app)
     app.router.add_route("*", "/{tail:.*}", handle)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import uuid
+import os
 from typing import Any
 
 import structlog
@@ -82,7 +82,7 @@ def request_id_of(request: web.Request) -> str:
     given = request.headers.get("X-Request-Id", "")
     if 0 < len(given) <= MAX_REQUEST_ID_LEN and all(33 <= ord(c) <= 126 for c in given):
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as unique as uuid4, a third of the cost
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -206,17 +206,25 @@ async def _read_body(request: web.Request, max_body: int, budget_s: float) -> by
     """The whole body within the entrance budget, never more than ``max_body`` bytes."""
     if not request.body_exists:
         return b""
+    content = request.content
+    if content.is_eof():  # small bodies arrive with the headers: no timer needed
+        body = content.read_nowait()
+        if len(body) > max_body:
+            raise BodyTooLarge(f"body exceeds {max_body} bytes")
+        return body
     chunks: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(max(0.0, budget_s)):
-            while chunk := await request.content.readany():
+            while chunk := await content.readany():
                 size += len(chunk)
                 if size > max_body:
                     raise BodyTooLarge(f"body exceeds {max_body} bytes")
                 chunks.append(chunk)
     except TimeoutError as exc:
-        raise EntranceTimeout(f"request body not received within {budget_s * 1000:.0f} ms") from exc
+        raise EntranceTimeout(
+            f"request body not received within {budget_s * 1000:.0f} ms"
+        ) from exc
     return b"".join(chunks)
 
 

@@ -128,11 +128,13 @@ async def relay(
 async def _next_chunk(
     upstream: aiohttp.ClientResponse, deadline: Deadline, clock: Clock, idle_s: float
 ) -> bytes:
-    now = clock.now()
-    remaining = deadline.remaining(now)
+    content = upstream.content
+    if content.is_eof():  # the rest of a small answer is already here
+        return content.read_nowait()
+    remaining = deadline.remaining(clock.now())
     try:
         async with asyncio.timeout(min(idle_s, remaining)):
-            return await upstream.content.readany()
+            return await content.readany()
     except aiohttp.ClientError as exc:  # first: some of aiohttp's are TimeoutErrors too
         raise UpstreamProtocolError(f"upstream answer broke off: {type(exc).__name__}") from exc
     except TimeoutError as exc:

@@ -14,6 +14,7 @@ check, which keeps the relay's cost per event small.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 #: A line longer than this without a newline is not an SSE stream we can watch.
@@ -98,19 +99,21 @@ class SseMeter:
             self.output_tokens = details["generated_tokens"]
 
 
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
 def usage_from_body(body: bytes) -> tuple[int | None, int | None]:
-    """Token counts from a non-streaming OpenAI answer, when it carries them."""
-    try:
-        doc = json.loads(body)
-    except ValueError:
+    """Token counts from a non-streaming OpenAI answer's ``usage``, when it has one.
+
+    A scan for the two fields instead of decoding the whole JSON document:
+    the relay does this for every answer, and only these two numbers matter.
+    """
+    if b'"usage"' not in body:
         return None, None
-    if not isinstance(doc, dict):
-        return None, None
-    usage = doc.get("usage")
-    if not isinstance(usage, dict):
-        return None, None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    prompt = _PROMPT_TOKENS.search(body)
+    completion = _COMPLETION_TOKENS.search(body)
     return (
-        prompt if isinstance(prompt, int) else None,
-        completion if isinstance(completion, int) else None,
+        int(prompt.group(1)) if prompt else None,
+        int(completion.group(1)) if completion else None,
     )
