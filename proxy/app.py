@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.admin import add_admin_routes
-from proxy.clock import Clock, LoopClock
+from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
 from proxy.entrance import handle
 from proxy.keys import RUNTIME
@@ -53,7 +53,7 @@ def build_runtime(
     seed: int | None = None,
     access_log: bool = True,
 ) -> Runtime:
-    clock = clock or LoopClock()
+    clock = clock or MonotonicClock()
     rules = Rules.from_config(config)
     replicas = [
         Replica(r, api_key=os.environ.get(r.api_key_env) if r.api_key_env else None)

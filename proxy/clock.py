@@ -1,13 +1,12 @@
 """The ``Clock`` seam: one source of monotonic time for budgets and quotas.
 
-Production code reads the event loop's clock so that deadlines and the timers
-that enforce them (``loop.call_at``) agree. Tests of the scheduler, quotas and
+Production code reads the monotonic clock; timers that enforce deadlines are
+armed with relative delays. Tests of the scheduler, quotas and
 budgets use ``FakeClock`` and move time by hand: no sleeps.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Protocol
 
@@ -18,22 +17,22 @@ class Clock(Protocol):
         ...
 
 
-class LoopClock:
-    """The running loop's clock, or ``time.monotonic`` outside a loop.
+class MonotonicClock:
+    """``time.monotonic``, with sub-millisecond resolution.
 
-    uvloop and asyncio both base ``loop.time()`` on the monotonic clock.
+    Not ``loop.time()``: uvloop's loop clock is cached per loop iteration in
+    whole milliseconds, too coarse for per-layer timings. Timers are armed
+    with relative delays (``call_later``, ``asyncio.timeout``), so deadlines
+    on this clock and the loop's own timers agree.
     """
 
     __slots__ = ()
 
     def now(self) -> float:
-        try:
-            return asyncio.get_running_loop().time()
-        except RuntimeError:
-            return time.monotonic()
+        return time.monotonic()
 
     def __repr__(self) -> str:
-        return "LoopClock()"
+        return "MonotonicClock()"
 
 
 class FakeClock:

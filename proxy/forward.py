@@ -11,21 +11,21 @@ engines notice a closed connection late.
 from __future__ import annotations
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from proxy.admitted import Admitted
 from proxy.errors import NoHealthyReplica, ProxyError, ShuttingDown
 from proxy.record import RequestRecord
-from proxy.relay import end_to_end_headers, relay
+from proxy.relay import HOP_BY_HOP, end_to_end_headers, relay
 from proxy.replicas import Replica
 from proxy.runtime import Rules, Runtime
 from proxy.upstream import Committed, UpstreamRequest, attempt
 
-#: Headers the proxy consumes and never forwards upstream (the client's key among them).
-CLIENT_ONLY_HEADERS = frozenset(
-    {"authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
-     "x-request-timeout-ms", "x-request-id", "x-forwarded-for"}
-)  # fmt: skip
+#: Headers never forwarded upstream: hop-by-hop ones, and those the proxy consumes
+#: or sets itself (the client's API key among them).
+NOT_FORWARDED = HOP_BY_HOP | {
+    "authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
+    "x-request-timeout-ms", "x-request-id", "x-forwarded-for",
+}  # fmt: skip
 
 
 async def forward(
@@ -83,11 +83,7 @@ def _no_replica_wait(rules: Rules) -> float:
 
 
 def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamRequest:
-    headers = CIMultiDict(
-        (k, v)
-        for k, v in end_to_end_headers(request.headers).items()
-        if k.lower() not in CLIENT_ONLY_HEADERS
-    )
+    headers = end_to_end_headers(request.headers, NOT_FORWARDED)
     forwarded = request.headers.get("X-Forwarded-For")
     peer = request.remote or ""
     headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer

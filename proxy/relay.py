@@ -40,16 +40,14 @@ HOP_BY_HOP = frozenset(
 USAGE_SCAN_LIMIT = 256 * 1024
 
 
-def end_to_end_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
-    """Drop hop-by-hop headers, including any the Connection header names."""
-    named = {
-        token.strip().lower()
-        for value in headers.getall("Connection", [])
-        for token in value.split(",")
-    }
-    return CIMultiDict(
-        (k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in named
-    )
+def end_to_end_headers(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str] = HOP_BY_HOP
+) -> CIMultiDict[str]:
+    """Copy without hop-by-hop headers, those the Connection header names, and ``drop``."""
+    connection = headers.get("Connection")
+    if connection is not None:
+        drop = drop | {token.strip().lower() for token in connection.split(",")}
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
 def _engine_ms(headers: CIMultiDictProxy[str], name: str) -> float | None:

@@ -58,7 +58,6 @@ def configure_logging(level: str = "INFO") -> None:
     """JSON lines on stdout for everything logged through structlog."""
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
