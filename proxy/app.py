@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 from collections.abc import AsyncIterator, Callable
+from typing import TextIO
 
 import aiohttp
 from aiohttp import web
@@ -29,7 +30,7 @@ from proxy.runtime import Rules, Runtime
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
 from proxy.telemetry import Telemetry
-from proxy.telemetry.logs import FLUSH_INTERVAL_S, flush_logs
+from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
 from proxy.upstream import make_session
 
@@ -40,10 +41,23 @@ def _default_session(config: Config) -> aiohttp.ClientSession:
     return make_session(config.timeouts.connect_ms / 1000.0)
 
 
-async def _flush_periodically() -> None:
+def _access_log(setting: bool | TextIO) -> AccessLog | None:
+    """True: stdout; False: off; a stream: that stream (tests, embedding)."""
+    if setting is False:
+        return None
+    return AccessLog(None if setting is True else setting)
+
+
+def _flush(runtime: Runtime) -> None:
+    flush_logs()
+    if runtime.telemetry.access_log is not None:
+        runtime.telemetry.access_log.flush()
+
+
+async def _flush_periodically(runtime: Runtime) -> None:
     while True:
         await asyncio.sleep(FLUSH_INTERVAL_S)
-        flush_logs()
+        _flush(runtime)
 
 
 def build_runtime(
@@ -51,7 +65,7 @@ def build_runtime(
     *,
     clock: Clock | None = None,
     seed: int | None = None,
-    access_log: bool = True,
+    access_log: bool | TextIO = True,
 ) -> Runtime:
     clock = clock or MonotonicClock()
     rules = Rules.from_config(config)
@@ -70,7 +84,7 @@ def build_runtime(
     telemetry = Telemetry(
         Metrics(),
         TenantLabels(config.tenants, config.telemetry.max_tenant_labels),
-        access_log=access_log,
+        access_log=_access_log(access_log),
     )
     return Runtime(rules, clock, pool, dispatcher, quotas, telemetry)
 
@@ -81,7 +95,7 @@ def build_app(
     clock: Clock | None = None,
     session_factory: SessionFactory | None = None,
     seed: int | None = None,
-    access_log: bool = True,
+    access_log: bool | TextIO = True,
 ) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
     runtime = build_runtime(config, clock=clock, seed=seed, access_log=access_log)
@@ -97,12 +111,12 @@ def build_app(
         runtime.session = None
 
     async def log_flusher(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(_flush_periodically())
+        task = asyncio.create_task(_flush_periodically(runtime))
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        flush_logs()
+        _flush(runtime)
 
     app.cleanup_ctx.append(log_flusher)
     app.cleanup_ctx.append(upstream_session)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.record import RequestRecord
-from proxy.telemetry.logs import access_line
+from proxy.telemetry.logs import AccessLog
 from proxy.telemetry.metrics import Metrics, TenantLabels
 
 
@@ -51,7 +51,9 @@ class Telemetry:
         "metrics",
     )
 
-    def __init__(self, metrics: Metrics, labels: TenantLabels, *, access_log: bool = True) -> None:
+    def __init__(
+        self, metrics: Metrics, labels: TenantLabels, *, access_log: AccessLog | None = None
+    ) -> None:
         self.metrics = metrics
         self.labels = labels
         self.access_log = access_log
@@ -92,8 +94,8 @@ class Telemetry:
                 self._tokens(tenant, "output").inc(record.output_tokens)
             if record.good:
                 self._goodput(tenant).inc()
-        if self.access_log:
-            access_line(record)
+        if self.access_log is not None:
+            self.access_log.write(record)
 
     def retry(self, reason: str) -> None:
         self._retries(reason).inc()

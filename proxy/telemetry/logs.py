@@ -12,8 +12,11 @@ at shutdown, so an access line is out within a fraction of a second.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import time
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import structlog
@@ -92,8 +95,35 @@ def access_fields(record: RequestRecord, trace_id: str | None) -> dict[str, Any]
     }
 
 
-_access = structlog.get_logger(ACCESS_LOGGER)
+class AccessLog:
+    """One JSON line per request, when it ends, in the same shape as the structlog lines.
 
+    Written here with ``json.dumps`` instead of through structlog's processor
+    chain: the access line is on every request's path, and the chain plus its
+    logger cost about a fifth of the proxy's CPU per request in the overhead
+    benchmark (bench/overhead.py); this costs a third of that. The stream is
+    flushed by ``flush`` on a short interval, not per line.
+    """
 
-def access_line(record: RequestRecord, trace_id: str | None = None) -> None:
-    _access.info("request", **access_fields(record, trace_id))
+    __slots__ = ("_second", "_second_text", "_stream")
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stdout
+        self._second = -1
+        self._second_text = ""
+
+    def _timestamp(self) -> str:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._second_text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        return f"{self._second_text}.{int((now - second) * 1e6):06d}Z"
+
+    def write(self, record: RequestRecord, trace_id: str | None = None) -> None:
+        line = {"event": "request", "level": "info", "timestamp": self._timestamp()}
+        line.update(access_fields(record, trace_id))
+        self._stream.write(json.dumps(line) + "\n")
+
+    def flush(self) -> None:
+        self._stream.flush()
