@@ -10,7 +10,6 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.settings import Config
 from proxy.sim import SimConfig, SimServer, start_sim
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config, wait_for

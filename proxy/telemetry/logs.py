@@ -1,13 +1,14 @@
 """Structured logs: the process log and the one access line per request.
 
-structlog renders JSON lines; the access line is written in exactly one place
-(``access_line``), when a request ends, with the fields of DESIGN section 7.
+structlog renders the process log as JSON lines; the access line, in the same
+shape, is written in exactly one place (``AccessLog.write``), when a request
+ends, with the fields of DESIGN section 7.
 API keys never reach a log: the record holds the tenant name, not the key.
 
-Lines go to stdout through ``LineLogger``, which writes without flushing at
-info level (one write syscall per request was a tenth of the proxy's CPU) and
-flushes at once from warning up; ``flush_logs`` runs on a short interval and
-at shutdown, so an access line is out within a fraction of a second.
+Process lines go to stdout through ``LineLogger``, which writes without
+flushing at info level and flushes at once from warning up; access lines are
+buffered too. Both are flushed on a short interval and at shutdown, so a line
+is out within a fraction of a second without a write syscall per request.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import structlog
 
 from proxy.record import RequestRecord
 
-ACCESS_LOGGER = "admission.access"
 #: How often buffered log lines are flushed.
 FLUSH_INTERVAL_S = 0.2
 
