@@ -89,6 +89,8 @@ async def relay(
     record.input_tokens = _engine_int(upstream.headers, "x-prompt-tokens")
     record.output_tokens = _engine_int(upstream.headers, "x-generated-tokens")
     is_sse = upstream.content_type == "text/event-stream"
+    if not is_sse and upstream.content.is_eof():
+        return _whole(committed, headers, record)
     meter = SseMeter() if is_sse else None
     kept = bytearray() if not is_sse else None
 
@@ -121,6 +123,22 @@ async def relay(
             record.input_tokens = prompt or record.input_tokens
             record.output_tokens = completion or record.output_tokens
     return response
+
+
+def _whole(committed: Committed, headers: CIMultiDict[str], record: RequestRecord) -> web.Response:
+    """The whole answer is already here (a small non-streaming body): one plain response.
+
+    Cheaper than prepare/write/write_eof, and aiohttp sends it in one write.
+    """
+    upstream = committed.response
+    body = committed.first_chunk + upstream.content.read_nowait()
+    committed.close()
+    headers.popall("Content-Length", None)
+    if len(body) <= USAGE_SCAN_LIMIT:
+        prompt, completion = usage_from_body(body)
+        record.input_tokens = prompt or record.input_tokens
+        record.output_tokens = completion or record.output_tokens
+    return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
 
 
 async def _next_chunk(
