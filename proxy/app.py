@@ -23,9 +23,11 @@ from proxy.admin import add_admin_routes
 from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
 from proxy.entrance import handle
+from proxy.health import Health
 from proxy.keys import RUNTIME
 from proxy.quotas import EntranceQuotas
 from proxy.replicas import Replica, ReplicaPool
+from proxy.retries import RetryBudget, RetryPolicy
 from proxy.runtime import Rules, Runtime
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
@@ -86,7 +88,13 @@ def build_runtime(
         TenantLabels(config.tenants, config.telemetry.max_tenant_labels),
         access_log=_access_log(access_log),
     )
-    return Runtime(rules, clock, pool, dispatcher, quotas, telemetry)
+    health = Health(pool, config, clock, dispatcher.pump)
+    rng = random.Random(seed)
+    retry_policy = RetryPolicy(config.retry, rng)
+    retry_budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries_per_s, clock)
+    return Runtime(
+        rules, clock, pool, dispatcher, quotas, telemetry, health, retry_policy, retry_budget
+    )
 
 
 def build_app(
@@ -110,6 +118,15 @@ def build_app(
         await runtime.session.close()
         runtime.session = None
 
+    async def health_loop(app: web.Application) -> AsyncIterator[None]:
+        """Probes and warm-ups on their own session: never queued behind client traffic."""
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+            task = asyncio.create_task(runtime.health.run(session))
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     async def log_flusher(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(_flush_periodically(runtime))
         yield
@@ -120,6 +137,7 @@ def build_app(
 
     app.cleanup_ctx.append(log_flusher)
     app.cleanup_ctx.append(upstream_session)
+    app.cleanup_ctx.append(health_loop)
     add_admin_routes(app)
     app.router.add_route("*", "/{tail:.*}", handle)
     return app

@@ -10,13 +10,22 @@ engines notice a closed connection late.
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from proxy.admitted import Admitted
-from proxy.errors import NoHealthyReplica, ProxyError, ShuttingDown
+from proxy.errors import (
+    NoHealthyReplica,
+    ProxyError,
+    RetryBudgetExhausted,
+    ShuttingDown,
+    TotalTimeout,
+)
 from proxy.record import RequestRecord
 from proxy.relay import HOP_BY_HOP, end_to_end_headers, relay
-from proxy.replicas import Replica
+from proxy.replicas import Replica, Seat
+from proxy.retries import parse_retry_after, status_class
 from proxy.runtime import Rules, Runtime
 from proxy.upstream import Committed, UpstreamRequest, attempt
 
@@ -26,6 +35,15 @@ NOT_FORWARDED = HOP_BY_HOP | {
     "authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
     "x-request-timeout-ms", "x-request-id", "x-forwarded-for",
 }  # fmt: skip
+
+
+class Lease:
+    """The seat a request holds now; a retry gives it back and takes another."""
+
+    __slots__ = ("seat",)
+
+    def __init__(self, seat: Seat) -> None:
+        self.seat: Seat | None = seat
 
 
 async def forward(
@@ -39,28 +57,30 @@ async def forward(
     if admitted.seatless:
         replica = runtime.pool.choose_any()
         if replica is None:
-            raise NoHealthyReplica("no replica is serving", retry_after_s=_no_replica_wait(rules))
+            raise NoHealthyReplica(
+                "no replica is serving", retry_after_s=runtime.health.earliest_return_s()
+            )
         record.dispatched_at = runtime.clock.now()
-        committed = await _attempt(runtime, replica, upstream_request, admitted, record, request)
+        committed = await _attempt(runtime, replica, upstream_request, admitted, record)
         return await _relay(request, committed, admitted, rules, runtime, record)
 
     if runtime.shutting_down:
         raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
     if not runtime.pool.any_usable():
         raise NoHealthyReplica(
-            "every replica is ejected or drained", retry_after_s=_no_replica_wait(rules)
+            "every replica is ejected or drained", retry_after_s=runtime.health.earliest_return_s()
         )
     dispatcher = runtime.dispatcher
     ticket = dispatcher.enqueue(admitted.tenant, admitted.priority, admitted.cost,
                                 admitted.deadline)  # fmt: skip
     record.enqueued_at = ticket.enqueued_at
     record.queue_depth_at_enqueue = dispatcher.scheduler.depth(admitted.tenant)
-    seat = await dispatcher.wait(ticket)
+    lease = Lease(await dispatcher.wait(ticket))
     record.dispatched_at = runtime.clock.now()
+    runtime.retry_budget.record_request()
     grace_s = 0.0
     try:
-        committed = await _attempt(runtime, seat.replica, upstream_request, admitted, record,
-                                   request)  # fmt: skip
+        committed = await _send(runtime, lease, upstream_request, admitted, record)
         response = await _relay(request, committed, admitted, rules, runtime, record)
         if record.outcome == "cancelled":
             grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
@@ -75,11 +95,71 @@ async def forward(
         actual = None
         if record.input_tokens is not None or record.output_tokens is not None:
             actual = float((record.input_tokens or 0) + (record.output_tokens or 0))
-        dispatcher.finish(ticket, seat, actual_cost=actual, seat_grace_s=grace_s)
+        dispatcher.finish(ticket, lease.seat, actual_cost=actual, seat_grace_s=grace_s)
 
 
-def _no_replica_wait(rules: Rules) -> float:
-    return rules.config.health.interval_ms / 1000.0
+async def _send(
+    runtime: Runtime,
+    lease: Lease,
+    upstream_request: UpstreamRequest,
+    admitted: Admitted,
+    record: RequestRecord,
+) -> Committed:
+    """Attempts until one commits an answer worth relaying, or retrying is not allowed.
+
+    A retried failure gives its seat back for the backoff (keeping the
+    tenant's place) and takes the next free seat ahead of queued tickets,
+    preferring another replica (DESIGN section 12).
+    """
+    deadline = admitted.deadline
+    while True:
+        assert lease.seat is not None
+        replica = lease.seat.replica
+        failure: ProxyError | Committed
+        try:
+            committed = await _attempt(runtime, replica, upstream_request, admitted, record)
+        except ProxyError as err:
+            runtime.health.attempt_failed(replica, err)
+            failure, retry_class, upstream_wait = err, err.retry_class, None
+        else:
+            retry_class = status_class(committed.status)
+            if retry_class is None:
+                runtime.health.attempt_succeeded(replica)
+                return committed
+            runtime.health.attempt_failed(replica, None, committed.status)
+            failure = committed
+            upstream_wait = parse_retry_after(committed.response.headers.get("Retry-After"))
+        decision = runtime.retry_policy.decide(
+            retry_class,
+            attempts=record.attempts,
+            inference_route=admitted.inference,
+            remaining_s=deadline.remaining(runtime.clock.now()),
+            upstream_retry_after_s=upstream_wait,
+        )
+        if not decision.retry:
+            if isinstance(failure, Committed):
+                return failure  # the replica's own answer, passed through
+            raise failure
+        if isinstance(failure, Committed):
+            failure.close()
+        if not runtime.retry_budget.try_spend():
+            runtime.telemetry.retry_budget_exhausted()
+            raise RetryBudgetExhausted(
+                "retries are over the fleet's retry budget",
+                retry_after_s=runtime.retry_budget.refill_in(),
+            )
+        assert retry_class is not None
+        record.retry_reasons.append(retry_class)
+        runtime.telemetry.retry(retry_class)
+        lease.seat.release()
+        lease.seat = None
+        await asyncio.sleep(decision.delay_s)
+        try:
+            lease.seat = await runtime.dispatcher.reseat(
+                frozenset({replica.name}), deadline.remaining(runtime.clock.now())
+            )
+        except TimeoutError as exc:
+            raise TotalTimeout("no seat for a retry within the total budget") from exc
 
 
 def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamRequest:
@@ -103,7 +183,6 @@ async def _attempt(
     upstream_request: UpstreamRequest,
     admitted: Admitted,
     record: RequestRecord,
-    request: web.Request,
 ) -> Committed:
     record.attempts += 1
     record.replica = replica.name

@@ -17,8 +17,10 @@ import aiohttp
 
 from proxy.clock import Clock
 from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.health import Health
 from proxy.quotas import EntranceQuotas
 from proxy.replicas import ReplicaPool
+from proxy.retries import RetryBudget, RetryPolicy
 from proxy.settings import BudgetsConfig, Config
 from proxy.telemetry import Telemetry
 
@@ -58,6 +60,9 @@ class Runtime:
     dispatcher: Dispatcher
     quotas: EntranceQuotas
     telemetry: Telemetry
+    health: Health
+    retry_policy: RetryPolicy
+    retry_budget: RetryBudget
     session: aiohttp.ClientSession | None = None
     shutting_down: bool = False
     #: Requests inside the handler right now (graceful shutdown waits for them).
@@ -92,6 +97,13 @@ class Runtime:
         scheduler.set_class_weights({n: p.weight for n, p in rules.config.priorities.items()})
         scheduler.set_tenant_weights({n: t.weight for n, t in rules.config.tenants.items()})
         self.quotas.configure(rules.rate_limits())
+        self.health.set_config(rules.config)
+        retry = rules.config.retry
+        self.retry_policy = RetryPolicy(retry)
+        self.retry_budget.ratio, self.retry_budget.min_per_s = (
+            retry.budget_ratio,
+            retry.min_retries_per_s,
+        )
 
     def client_session(self) -> aiohttp.ClientSession:
         if self.session is None:

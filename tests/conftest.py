@@ -13,6 +13,7 @@ from proxy.app import build_app
 from proxy.keys import RUNTIME
 from proxy.runtime import Runtime
 from proxy.settings import Config
+from tests.helpers import wait_for
 from tests.upstreams import UPSTREAM, Upstream, build_upstream
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
@@ -55,9 +56,13 @@ def upstream_url(upstream_server: TestServer) -> str:
 
 
 @pytest.fixture
-def start_proxy(aiohttp_client: ClientFactory) -> Callable[[Config], Awaitable[ProxyUnderTest]]:
-    async def start(config: Config, **kwargs: Any) -> ProxyUnderTest:
+def start_proxy(aiohttp_client: ClientFactory) -> Callable[..., Awaitable[ProxyUnderTest]]:
+    async def start(config: Config, *, ready: bool = True, **kwargs: Any) -> ProxyUnderTest:
+        """Start the proxy; with ``ready``, wait until a replica is warmed and serving."""
         client = await aiohttp_client(build_app(config, seed=1, **kwargs))
-        return ProxyUnderTest(client)
+        proxy = ProxyUnderTest(client)
+        if ready:
+            await wait_for(lambda: any(r.serving for r in proxy.runtime.pool.replicas))
+        return proxy
 
     return start

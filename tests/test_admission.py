@@ -18,7 +18,7 @@ from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for
 from tests.upstreams import Upstream
 
-Start = Callable[[Config], Awaitable[ProxyUnderTest]]
+Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 
@@ -96,7 +96,8 @@ def _closed_port() -> int:
 
 async def test_refused_connection_is_502(start_proxy: Start) -> None:
     """A replica that refuses connections: 502 upstream_connect_error."""
-    proxy = await start_proxy(make_config([f"http://127.0.0.1:{_closed_port()}"]))
+    config = make_config([f"http://127.0.0.1:{_closed_port()}"], warmup={"requests": 0})
+    proxy = await start_proxy(config)
     resp = await proxy.client.post(CHAT, json={}, headers=AUTH)
     assert resp.status == 502
     assert resp.headers["X-Admission-Reason"] == "upstream_connect_error"
@@ -249,7 +250,9 @@ async def test_connect_timeout_is_504(start_proxy: Start) -> None:
             with contextlib.suppress(BlockingIOError):
                 filler.connect(("127.0.0.1", port))
             fillers.append(filler)
-        config = make_config([f"http://127.0.0.1:{port}"], timeouts={"connect_ms": 200})
+        config = make_config(
+            [f"http://127.0.0.1:{port}"], timeouts={"connect_ms": 200}, warmup={"requests": 0}
+        )
         proxy = await start_proxy(config)
         started = time.monotonic()
         resp = await proxy.client.post(CHAT, json={}, headers=AUTH)

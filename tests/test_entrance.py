@@ -12,7 +12,7 @@ from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 from tests.upstreams import Upstream
 
-Start = Callable[[Config], Awaitable[ProxyUnderTest]]
+Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
 

@@ -10,7 +10,8 @@ Behaviour is chosen by the request path and the JSON body:
 - ``/status/{code}``: answers that status with a JSON body.
 - anything else: echoes method, path, headers and body length as JSON.
 
-``Upstream.seen`` keeps every request's headers; ``Upstream.active`` counts
+``Upstream.seen`` keeps every client request's headers (not the proxy's own
+probes and warm-up); ``Upstream.active`` counts
 handlers running now, ``Upstream.aborted`` those whose client went away.
 """
 
@@ -99,8 +100,14 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response({"error": {"message": f"status {code}"}}, status=code)
 
 
+#: The proxy's own traffic (probes, warm-up) is not what the tests look for.
+PROXY_OWN = frozenset({"/health", "/v1/models"})
+
+
 async def echo(request: web.Request) -> web.Response:
-    request.app[UPSTREAM].seen.append(request.headers)
+    own = request.path in PROXY_OWN or request.headers.get("X-Request-Id") == "admission-warmup"
+    if not own:
+        request.app[UPSTREAM].seen.append(request.headers)
     body = await request.read()
     return web.json_response(
         {"method": request.method, "path": request.path_qs, "body_bytes": len(body)}
