@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from proxy.settings import Config
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 from tests.upstreams import Upstream
