@@ -33,8 +33,14 @@ def state_snapshot(runtime: Runtime) -> StateSnapshot:
     for name, value in runtime.dispatcher.depth_high_water().items():
         label = labels(name)
         high[label] = max(high.get(label, 0), value)
-    replicas = [(r.name, r.inflight, r.limit, r.serving) for r in runtime.pool.replicas]
-    return StateSnapshot(depth, high, replicas, [])
+    replicas = [
+        (r.name, r.inflight, r.limit, r.serving and not r.ejected) for r in runtime.pool.replicas
+    ]
+    gpus = [
+        (str(i), reading.utilization, reading.memory_ratio)
+        for i, reading in sorted(runtime.gpu.snapshot.items())
+    ]
+    return StateSnapshot(depth, high, replicas, gpus)
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -32,6 +32,7 @@ from proxy.runtime import Rules, Runtime
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
 from proxy.telemetry import Telemetry
+from proxy.telemetry.gpu import GpuProbe, GpuSampler, NvmlProbe
 from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
 from proxy.upstream import make_session
@@ -104,9 +105,11 @@ def build_app(
     session_factory: SessionFactory | None = None,
     seed: int | None = None,
     access_log: bool | TextIO = True,
+    gpu: GpuProbe | None = None,
 ) -> web.Application:
     """The proxy as an aiohttp application (not yet started)."""
     runtime = build_runtime(config, clock=clock, seed=seed, access_log=access_log)
+    probe: GpuProbe = gpu if gpu is not None else NvmlProbe()
     # The entrance enforces max_body_bytes itself, with the contract's 413 answer.
     app = web.Application(client_max_size=config.server.max_body_bytes + 1)
     app[RUNTIME] = runtime
@@ -135,7 +138,21 @@ def build_app(
             await task
         _flush(runtime)
 
+    async def gpu_sampler(app: web.Application) -> AsyncIterator[None]:
+        """NVML in a worker thread on an interval; the path reads the snapshot only."""
+        sampler = runtime.gpu
+        interval = runtime.rules.config.gpu.sample_ms / 1000.0
+        task = asyncio.create_task(sampler.run(interval))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if isinstance(probe, NvmlProbe):
+            await asyncio.to_thread(probe.close)
+
+    runtime.gpu = GpuSampler(probe, lambda: runtime.health.apply_gpu_guard(runtime.gpu.snapshot))
     app.cleanup_ctx.append(log_flusher)
+    app.cleanup_ctx.append(gpu_sampler)
     app.cleanup_ctx.append(upstream_session)
     app.cleanup_ctx.append(health_loop)
     add_admin_routes(app)

@@ -43,6 +43,9 @@ DEFAULT_FREE_PLACE_S = 1.0
 #: The wait estimator fails open until it has seen this many dispatches, so a
 #: cold proxy never refuses on no data.
 MIN_DISPATCHES_TO_PREDICT = 20
+#: How long a retry waits for a seat on another replica before taking one on the
+#: replica that just failed it.
+RESEAT_PREFERENCE_S = 1.0
 #: Smoothing of the mean seat-holding time (exponentially weighted).
 SERVICE_TIME_ALPHA = 0.1
 
@@ -75,6 +78,19 @@ class DispatchRate:
 
     def __len__(self) -> int:
         return len(self._times)
+
+
+class _Reseat:
+    """A retry waiting for a seat."""
+
+    __slots__ = ("exclude", "future", "strict")
+
+    def __init__(
+        self, future: asyncio.Future[Seat], exclude: frozenset[ReplicaName], strict: bool
+    ) -> None:
+        self.future = future
+        self.exclude = exclude
+        self.strict = strict
 
 
 class ServiceTime:
@@ -114,7 +130,7 @@ class Dispatcher:
         self._service = ServiceTime()
         self._high_water: dict[str, int] = {}
         #: Retries waiting for a seat: served ahead of queued tickets.
-        self._reseating: deque[tuple[asyncio.Future[Seat], frozenset[ReplicaName]]] = deque()
+        self._reseating: list[_Reseat] = []
         self._pumping = False
         self._closed: ShuttingDown | None = None
         pool.set_on_free(self._pump)
@@ -179,8 +195,7 @@ class Dispatcher:
                     retry_after_s=self._time_to_free_place(tenant, priority, now),
                 )
             raise TenantQueueFull(
-                f"tenant {tenant!r} has {depth} requests queued "
-                f"(capacity {limits.queue_capacity})",
+                f"tenant {tenant!r} has {depth} requests queued (capacity {limits.queue_capacity})",
                 retry_after_s=self._time_to_free_place(tenant, priority, now),
             )
         estimate = self.predict_wait(tenant, priority, now)
@@ -215,23 +230,38 @@ class Dispatcher:
         """A seat for a retry, ahead of every queued ticket, preferring another replica.
 
         The retry kept its tenant place during its backoff; only the replica
-        seat was given back. Raises ``TimeoutError`` when none frees in time.
+        seat was given back. While another replica is dispatchable, the retry
+        waits for a seat there (up to ``RESEAT_PREFERENCE_S``) rather than go
+        straight back to the replica that just failed it. Raises
+        ``TimeoutError`` when no seat frees in time.
         """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Seat] = loop.create_future()
-        self._reseating.append((future, exclude))
+        strict = any(r.dispatchable and r.name not in exclude for r in self.pool.replicas)
+        waiter = _Reseat(loop.create_future(), exclude, strict)
+        self._reseating.append(waiter)
+        relax = None
+        if strict:
+            relax = loop.call_later(min(RESEAT_PREFERENCE_S, timeout_s / 2), self._relax, waiter)
         self._pump()
         try:
             async with asyncio.timeout(timeout_s):
-                return await future
+                return await waiter.future
         except BaseException:
+            future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()
             elif not future.done():
                 future.cancel()
             with contextlib.suppress(ValueError):
-                self._reseating.remove((future, exclude))
+                self._reseating.remove(waiter)
             raise
+        finally:
+            if relax is not None:
+                relax.cancel()
+
+    def _relax(self, waiter: _Reseat) -> None:
+        waiter.strict = False
+        self._pump()
 
     def finish(
         self,
@@ -342,16 +372,15 @@ class Dispatcher:
             return
         self._pumping = True
         try:
-            while self._reseating:
-                future, exclude = self._reseating[0]
-                if future.done():
-                    self._reseating.popleft()
+            for waiter in list(self._reseating):
+                if waiter.future.done():
+                    self._reseating.remove(waiter)
                     continue
-                replica = self.pool.choose(exclude)
+                replica = self.pool.choose(waiter.exclude, strict=waiter.strict)
                 if replica is None:
-                    return
-                self._reseating.popleft()
-                future.set_result(self.pool.lease(replica))
+                    continue
+                self._reseating.remove(waiter)
+                waiter.future.set_result(self.pool.lease(replica))
             while len(self.scheduler):
                 replica = self.pool.choose()
                 if replica is None:

@@ -222,9 +222,7 @@ async def _read_body(request: web.Request, max_body: int, budget_s: float) -> by
                     raise BodyTooLarge(f"body exceeds {max_body} bytes")
                 chunks.append(chunk)
     except TimeoutError as exc:
-        raise EntranceTimeout(
-            f"request body not received within {budget_s * 1000:.0f} ms"
-        ) from exc
+        raise EntranceTimeout(f"request body not received within {budget_s * 1000:.0f} ms") from exc
     return b"".join(chunks)
 
 

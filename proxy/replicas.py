@@ -147,8 +147,14 @@ class ReplicaPool:
     def get(self, name: str) -> Replica | None:
         return self._by_name.get(ReplicaName(name))
 
-    def choose(self, exclude: frozenset[ReplicaName] = frozenset()) -> Replica | None:
-        """The free replica with the lowest load ratio; ``exclude`` is only a preference."""
+    def choose(
+        self, exclude: frozenset[ReplicaName] = frozenset(), *, strict: bool = False
+    ) -> Replica | None:
+        """The free replica with the lowest load ratio.
+
+        ``exclude`` is a preference: an excluded replica is chosen only when
+        no other is free, and never when ``strict``.
+        """
         best: list[Replica] = []
         best_load = 2.0
         fallback: list[Replica] = []
@@ -163,7 +169,7 @@ class ReplicaPool:
                 best, best_load = [replica], load
             elif load == best_load:
                 best.append(replica)
-        if not best:
+        if not best and not strict:
             best = fallback
         if not best:
             return None

@@ -23,6 +23,7 @@ from proxy.replicas import ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
 from proxy.settings import BudgetsConfig, Config
 from proxy.telemetry import Telemetry
+from proxy.telemetry.gpu import FakeGpuProbe, GpuSampler
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ class Runtime:
     health: Health
     retry_policy: RetryPolicy
     retry_budget: RetryBudget
+    gpu: GpuSampler = field(default_factory=lambda: GpuSampler(FakeGpuProbe(), lambda: None))
     session: aiohttp.ClientSession | None = None
     shutting_down: bool = False
     #: Requests inside the handler right now (graceful shutdown waits for them).

@@ -1,0 +1,290 @@
+"""Replica health: passive ejection, active probes, warm-up, engine saturation.
+
+``Health`` owns the background loop (started and stopped by the app's
+``cleanup_ctx``) and the per-replica counters the request path feeds with
+``attempt_succeeded`` / ``attempt_failed``. It flips the flags on ``Replica``
+that ``ReplicaPool`` reads (``ejected``, ``warming``, ``saturated``); it never
+holds a seat and its requests are never counted as client requests.
+
+Rules (DESIGN section 12):
+- failures that count: connect errors and timeouts, resets, 500/502/504,
+  first-byte timeouts and failed probes, on one counter per replica; 429 and
+  503 are saturation, not sickness;
+- the k-th consecutive ejection lasts ``eject_ms * 2^(k-1)``, at most 300 s;
+  k resets after a success;
+- passive ejection never removes the last serving replica; failed probes can;
+- an ejected replica returns when its ejection has expired, a probe succeeds
+  and its warm-up succeeds; at start-up every replica is warmed first;
+- engine metrics older than ``saturation.stale_ms`` are ignored: a scrape
+  that fails never stops dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.clock import Clock
+from proxy.errors import ProxyError
+from proxy.replicas import Replica, ReplicaPool
+from proxy.settings import Config
+from proxy.telemetry.gpu import GpuReading
+
+log = structlog.get_logger(__name__)
+
+#: The longest single ejection (DESIGN section 12).
+MAX_EJECTION_S = 300.0
+#: Engine gauges read for saturation, in order of preference.
+WAITING_METRICS = (
+    "vllm:num_requests_waiting",
+    "sglang:num_queue_reqs",
+    "tgi_queue_size",
+    "llamacpp:requests_deferred",
+)
+KV_CACHE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+#: Failures of these reasons count toward ejection (429 and 503 do not).
+COUNTED_REASONS = frozenset(
+    {"upstream_connect_error", "connect_timeout", "upstream_protocol_error", "first_byte_timeout"}
+)
+COUNTED_STATUSES = frozenset({500, 502, 504})
+#: Per-call time limit for probes, scrapes and warm-up requests.
+PROBE_TIMEOUT_S = 2.0
+WARMUP_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class EngineReading:
+    at: float
+    waiting: float | None
+    kv_cache: float | None
+
+
+def parse_engine_metrics(text: str) -> tuple[float | None, float | None]:
+    """(waiting requests, KV-cache usage 0..1) from an engine's Prometheus text."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    waiting = next((values[n] for n in WAITING_METRICS if n in values), None)
+    kv = next((values[n] for n in KV_CACHE_METRICS if n in values), None)
+    return waiting, kv
+
+
+class Health:
+    """Health state and the probe loop for every replica of a pool."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        config: Config,
+        clock: Clock,
+        on_change: Callable[[], None],
+    ) -> None:
+        self._pool = pool
+        self._config = config
+        self._clock = clock
+        self._on_change = on_change
+        self._readings: dict[str, EngineReading] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def set_config(self, config: Config) -> None:
+        self._config = config
+
+    # -- the request path's hooks (synchronous, no I/O) --------------------------------
+
+    def attempt_succeeded(self, replica: Replica) -> None:
+        replica.failures = 0
+        replica.ejections = 0
+
+    def attempt_failed(self, replica: Replica, error: ProxyError | None, status: int = 0) -> None:
+        """Count a failure if its kind is sickness; eject past the threshold."""
+        if error is not None and error.reason not in COUNTED_REASONS:
+            return
+        if error is None and status not in COUNTED_STATUSES:
+            return
+        self._count_failure(replica, passive=True)
+
+    def _count_failure(self, replica: Replica, *, passive: bool) -> None:
+        replica.failures += 1
+        if replica.ejected or replica.failures < self._config.health.eject_after_failures:
+            return
+        if passive and not any(r.serving for r in self._pool.replicas if r is not replica):
+            return  # never eject the last serving replica on passive evidence
+        self._eject(replica)
+
+    def _eject(self, replica: Replica) -> None:
+        replica.ejections += 1
+        base = self._config.health.eject_ms / 1000.0
+        duration = min(MAX_EJECTION_S, base * 2 ** (replica.ejections - 1))
+        replica.ejected = True
+        replica.ejected_until = self._clock.now() + duration
+        log.warning("replica ejected", replica=replica.name, seconds=duration,
+                    failures=replica.failures, ejection=replica.ejections)  # fmt: skip
+
+    def earliest_return_s(self) -> float:
+        """Seconds until the first ejection ends (Retry-After of no_healthy_replica)."""
+        now = self._clock.now()
+        waits = [r.ejected_until - now for r in self._pool.replicas if r.ejected]
+        interval = self._config.health.interval_ms / 1000.0
+        return max(interval, min(waits)) if waits else interval
+
+    # -- the background loop -----------------------------------------------------------
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        """Warm every replica, then probe on the interval until cancelled."""
+        self._session = session
+        if self._config.warmup.requests > 0:
+            for replica in self._pool.replicas:
+                replica.warming = True
+        await asyncio.gather(*(self._start(r) for r in self._pool.replicas))
+        while True:
+            await asyncio.sleep(self._config.health.interval_ms / 1000.0)
+            await asyncio.gather(*(self._check(r) for r in self._pool.replicas))
+            self.refresh_saturation()
+
+    async def _start(self, replica: Replica) -> None:
+        if replica.warming and not await self._warm(replica):
+            replica.warming = False
+            self._eject(replica)
+        self._on_change()
+
+    async def _check(self, replica: Replica) -> None:
+        if replica.config.metrics_url:
+            await self._scrape(replica)
+        if replica.ejected:
+            if self._clock.now() < replica.ejected_until:
+                return
+            if await self._probe(replica) and await self._warm(replica):
+                replica.ejected = False
+                replica.failures = 0
+                log.info("replica returned", replica=replica.name)
+                self._on_change()
+            else:
+                replica.ejected = False  # re-eject with the next, longer duration
+                self._eject(replica)
+            return
+        if not await self._probe(replica):
+            self._count_failure(replica, passive=False)
+        elif not replica.draining:
+            replica.failures = 0
+
+    async def _probe(self, replica: Replica) -> bool:
+        url = replica.url + self._config.health.path
+        try:
+            async with self._get_session().get(
+                url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                await resp.read()
+                return 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _warm(self, replica: Replica) -> bool:
+        """``warmup.requests`` completions of one token; the replica serves only after."""
+        replica.warming = True
+        try:
+            model = await self._model_of(replica)
+            for _ in range(self._config.warmup.requests):
+                if not await self._warmup_request(replica, model):
+                    return False
+            return True
+        finally:
+            replica.warming = False
+
+    async def _model_of(self, replica: Replica) -> str | None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
+                                 IndexError, TypeError):  # fmt: skip
+            async with self._get_session().get(
+                replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                if resp.status == 200:
+                    return str((await resp.json(content_type=None))["data"][0]["id"])
+        return None
+
+    async def _warmup_request(self, replica: Replica, model: str | None) -> bool:
+        body: dict[str, object] = {"prompt": "warm-up", "max_tokens": 1}
+        if model is not None:
+            body["model"] = model
+        headers = {"Content-Type": "application/json", "X-Request-Id": "admission-warmup"}
+        if replica.api_key:
+            headers["Authorization"] = f"Bearer {replica.api_key}"
+        try:
+            async with self._get_session().post(
+                replica.url + "/v1/completions",
+                data=json.dumps(body),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S),
+            ) as resp:
+                await resp.read()
+                ok = 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if not ok:
+            log.warning("warm-up failed", replica=replica.name)
+        return ok
+
+    async def _scrape(self, replica: Replica) -> None:
+        url = replica.config.metrics_url
+        assert url is not None
+        try:
+            async with self._get_session().get(
+                url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+            waiting, kv = parse_engine_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return  # the last reading goes stale; dispatch falls back to seat counting
+        self._readings[replica.name] = EngineReading(self._clock.now(), waiting, kv)
+        self.refresh_saturation()
+
+    def refresh_saturation(self) -> None:
+        """Mark replicas saturated from fresh readings only; stale ones count as not."""
+        now = self._clock.now()
+        stale_s = self._config.saturation.stale_ms / 1000.0
+        max_waiting = self._config.saturation.max_waiting
+        max_kv = self._config.saturation.max_kv_cache
+        changed = False
+        for replica in self._pool.replicas:
+            reading = self._readings.get(replica.name)
+            saturated = False
+            if reading is not None and now - reading.at <= stale_s:
+                saturated = bool(
+                    (max_waiting is not None and reading.waiting is not None
+                     and reading.waiting > max_waiting)
+                    or (max_kv is not None and reading.kv_cache is not None
+                        and reading.kv_cache > max_kv)
+                )  # fmt: skip
+            if saturated != replica.saturated:
+                replica.saturated = saturated
+                changed = True
+        if changed:
+            self._on_change()
+
+    def apply_gpu_guard(self, snapshot: Mapping[int, GpuReading]) -> None:
+        """Hold off replicas whose GPU memory is over ``gpu.memory_guard`` (sidecar mode)."""
+        guard = self._config.gpu.memory_guard
+        changed = False
+        for replica in self._pool.replicas:
+            index = replica.config.gpu_index
+            reading = snapshot.get(index) if index is not None else None
+            guarded = guard is not None and reading is not None and reading.memory_ratio > guard
+            if guarded != replica.gpu_guarded:
+                replica.gpu_guarded = guarded
+                changed = True
+                log.info("gpu guard", replica=replica.name, guarded=guarded)
+        if changed:
+            self._on_change()
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("health loop not started")
+        return self._session
