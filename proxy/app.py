@@ -18,6 +18,7 @@ from typing import TextIO
 
 import aiohttp
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
 
 from proxy.admin import add_admin_routes
 from proxy.clock import Clock, MonotonicClock
@@ -35,6 +36,7 @@ from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import GpuProbe, GpuSampler, NvmlProbe
 from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
+from proxy.telemetry.tracing import Tracing, provider_from_env
 from proxy.upstream import make_session
 
 SessionFactory = Callable[[Config], aiohttp.ClientSession]
@@ -69,6 +71,7 @@ def build_runtime(
     clock: Clock | None = None,
     seed: int | None = None,
     access_log: bool | TextIO = True,
+    tracer_provider: TracerProvider | None = None,
 ) -> Runtime:
     clock = clock or MonotonicClock()
     rules = Rules.from_config(config)
@@ -88,6 +91,7 @@ def build_runtime(
         Metrics(),
         TenantLabels(config.tenants, config.telemetry.max_tenant_labels),
         access_log=_access_log(access_log),
+        tracing=Tracing(tracer_provider),
     )
     health = Health(pool, config, clock, dispatcher.pump)
     rng = random.Random(seed)
@@ -106,9 +110,18 @@ def build_app(
     seed: int | None = None,
     access_log: bool | TextIO = True,
     gpu: GpuProbe | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> web.Application:
-    """The proxy as an aiohttp application (not yet started)."""
-    runtime = build_runtime(config, clock=clock, seed=seed, access_log=access_log)
+    """The proxy as an aiohttp application (not yet started).
+
+    ``tracer_provider``: spans go there (tests pass one with an in-memory
+    exporter); by default the provider the ``OTEL_*`` variables describe, or
+    none at all.
+    """
+    provider = tracer_provider if tracer_provider is not None else provider_from_env()
+    runtime = build_runtime(
+        config, clock=clock, seed=seed, access_log=access_log, tracer_provider=provider
+    )
     probe: GpuProbe = gpu if gpu is not None else NvmlProbe()
     # The entrance enforces max_body_bytes itself, with the contract's 413 answer.
     app = web.Application(client_max_size=config.server.max_body_bytes + 1)
@@ -137,6 +150,7 @@ def build_app(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         _flush(runtime)
+        await asyncio.to_thread(runtime.telemetry.tracing.shutdown)  # flushes the exporter
 
     async def gpu_sampler(app: web.Application) -> AsyncIterator[None]:
         """NVML in a worker thread on an interval; the path reads the snapshot only."""

@@ -16,6 +16,7 @@ import asyncio
 import json
 import math
 import os
+import time
 from typing import Any
 
 import structlog
@@ -94,6 +95,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         method=request.method,
         path=request.path,
     )
+    record.wall_arrival_ns = time.time_ns()
+    record.trace = runtime.telemetry.tracing.start_request(request.headers, record)
     runtime.enter(record)
     try:
         admitted = await _admit(request, rules, runtime, record)

@@ -153,7 +153,9 @@ async def _send(
         runtime.telemetry.retry(retry_class)
         lease.seat.release()
         lease.seat = None
+        backoff_start = runtime.clock.now()
         await asyncio.sleep(decision.delay_s)
+        record.backoffs.append((backoff_start, runtime.clock.now()))
         try:
             lease.seat = await runtime.dispatcher.reseat(
                 frozenset({replica.name}), deadline.remaining(runtime.clock.now())
@@ -189,12 +191,30 @@ async def _attempt(
     extra = {"X-Request-Id": record.request_id}
     if replica.api_key:
         extra["Authorization"] = f"Bearer {replica.api_key}"
-    committed = await attempt(
-        runtime.client_session(), replica, upstream_request, admitted.deadline, runtime.clock,
-        extra_headers=extra,
-    )  # fmt: skip
+    tracing = runtime.telemetry.tracing
+    if record.trace is not None:
+        tracing.upstream_started(record.trace, record, replica.name, runtime.clock.now(), extra)
+    try:
+        committed = await attempt(
+            runtime.client_session(), replica, upstream_request, admitted.deadline, runtime.clock,
+            extra_headers=extra,
+        )  # fmt: skip
+    except ProxyError as err:
+        tracing.upstream_ended(record.trace, record, runtime.clock.now(), error=err.reason)
+        raise
+    except BaseException:
+        tracing.upstream_ended(record.trace, record, runtime.clock.now(), error="cancelled")
+        raise
+    tracing.upstream_ended(record.trace, record, committed.first_byte_at, status=committed.status)
     record.first_byte_at = committed.first_byte_at
     record.upstream_status = committed.status
+    if replica.config.gpu_index is not None:
+        reading = runtime.gpu.snapshot.get(replica.config.gpu_index)
+        if reading is not None:
+            record.gpu = {
+                "utilization": reading.utilization,
+                "memory_used_ratio": reading.memory_ratio,
+            }
     return committed
 
 

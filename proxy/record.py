@@ -10,6 +10,7 @@ object makes "every request ends exactly once with one outcome" checkable:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from proxy.errors import Outcome, ProxyError
 
@@ -44,6 +45,14 @@ class RequestRecord:
     engine_queue_ms: float | None = None
     engine_inference_ms: float | None = None
     retry_reasons: list[str] = field(default_factory=list)
+    #: Wall-clock arrival (epoch ns): anchors the monotonic instants for spans.
+    wall_arrival_ns: int = 0
+    #: (start, end) of each retry backoff.
+    backoffs: list[tuple[float, float]] = field(default_factory=list)
+    #: The live spans (``telemetry.tracing.RequestTrace``) when tracing is on.
+    trace: Any = None
+    #: The serving replica's GPU reading when it has one (sidecar mode).
+    gpu: dict[str, float] | None = None
     #: The budgets this request was admitted under, for goodput.
     first_byte_budget_ms: float | None = None
     total_budget_ms: float | None = None

@@ -18,6 +18,7 @@ from typing import Any
 from proxy.record import RequestRecord
 from proxy.telemetry.logs import AccessLog
 from proxy.telemetry.metrics import Metrics, TenantLabels
+from proxy.telemetry.tracing import Tracing
 
 
 class _Children:
@@ -49,11 +50,18 @@ class Telemetry:
         "access_log",
         "labels",
         "metrics",
+        "tracing",
     )
 
     def __init__(
-        self, metrics: Metrics, labels: TenantLabels, *, access_log: AccessLog | None = None
+        self,
+        metrics: Metrics,
+        labels: TenantLabels,
+        *,
+        access_log: AccessLog | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        self.tracing = tracing or Tracing(None)
         self.metrics = metrics
         self.labels = labels
         self.access_log = access_log
@@ -94,8 +102,12 @@ class Telemetry:
                 self._tokens(tenant, "output").inc(record.output_tokens)
             if record.good:
                 self._goodput(tenant).inc()
+        trace_id = None
+        if record.trace is not None:
+            self.tracing.request_ended(record.trace, record, record.gpu)
+            trace_id = record.trace.trace_id
         if self.access_log is not None:
-            self.access_log.write(record)
+            self.access_log.write(record, trace_id)
 
     def retry(self, reason: str) -> None:
         self._retries(reason).inc()
