@@ -106,7 +106,9 @@ async def test_streamed_request_measures_gpu_time_itself(
     """A stream's headers carry the engine queue time only: batch from the engine,
     GPU measured by the proxy (first token to last chunk)."""
     proxy = await start_proxy(make_config([sim.url]), tracer_provider=provider)
-    resp = await proxy.client.post(CHAT, json={"messages": MSG, "max_tokens": 6, "stream": True}, headers=AUTH)
+    resp = await proxy.client.post(
+        CHAT, json={"messages": MSG, "max_tokens": 6, "stream": True}, headers=AUTH
+    )
     await resp.read()
     spans = await finished(proxy, exporter)
     (batch,) = spans["proxy.batch"]
