@@ -88,6 +88,16 @@ async def admin(request: web.Request) -> web.StreamResponse:
         return web.Response(text=text, content_type="application/yaml")
     if request.method == "GET" and action == "state":
         return web.json_response(admin_state(runtime))
+    if request.method == "POST" and action == "reload":
+        if runtime.reloader is None:
+            return web.json_response(
+                {"result": "unavailable", "message": "started without a config file"}, status=409
+            )
+        result = await runtime.reloader.reload("admin")
+        if result.ok:
+            return web.json_response({"result": "ok"})
+        errors = [{"path": i.path, "message": i.message} for i in result.issues]
+        return web.json_response({"result": "invalid", "errors": errors}, status=422)
     parts = action.split("/")
     if request.method == "POST" and len(parts) == 3 and parts[0] == "replicas":
         replica = runtime.pool.get(parts[1])
@@ -109,6 +119,8 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
             "weight": t.weight,
             "max_concurrency": t.max_concurrency,
             "queue_capacity": t.queue_capacity,
+            "priority": t.priority,
+            "rate_per_s": t.rate_per_s,
         }
         for name, t in runtime.rules.config.tenants.items()
     }
@@ -119,10 +131,19 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
             "ejected": r.ejected,
             "draining": r.draining,
             "warming": r.warming,
+            "saturated": r.saturated,
+            "gpu_guarded": r.gpu_guarded,
+            "consecutive_failures": r.failures,
         }
         for r in runtime.pool.replicas
     }
-    return {"tenants": tenants, "replicas": replicas, "shutting_down": runtime.shutting_down}
+    budget = runtime.retry_budget
+    return {
+        "tenants": tenants,
+        "replicas": replicas,
+        "retry_budget": {"allowance": budget.allowance(), "summary": repr(budget)},
+        "shutting_down": runtime.shutting_down,
+    }
 
 
 def add_admin_routes(app: web.Application) -> None:

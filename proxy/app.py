@@ -27,6 +27,7 @@ from proxy.entrance import handle
 from proxy.health import Health
 from proxy.keys import RUNTIME
 from proxy.quotas import EntranceQuotas
+from proxy.reload import Reloader
 from proxy.replicas import Replica, ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
 from proxy.runtime import Rules, Runtime
@@ -111,8 +112,12 @@ def build_app(
     access_log: bool | TextIO = True,
     gpu: GpuProbe | None = None,
     tracer_provider: TracerProvider | None = None,
+    config_path: str | None = None,
 ) -> web.Application:
     """The proxy as an aiohttp application (not yet started).
+
+    ``config_path``: the file the config came from; enables reload (SIGHUP,
+    ``POST /admin/reload``) and the watcher that reloads on a content change.
 
     ``tracer_provider``: spans go there (tests pass one with an in-memory
     exporter); by default the provider the ``OTEL_*`` variables describe, or
@@ -167,8 +172,21 @@ def build_app(
     runtime.gpu = GpuSampler(probe, lambda: runtime.health.apply_gpu_guard(runtime.gpu.snapshot))
     app.cleanup_ctx.append(log_flusher)
     app.cleanup_ctx.append(gpu_sampler)
+
+    async def config_watcher(app: web.Application) -> AsyncIterator[None]:
+        if config_path is None:
+            yield
+            return
+        runtime.reloader = Reloader(runtime, config_path)
+        task = asyncio.create_task(runtime.reloader.watch())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     app.cleanup_ctx.append(upstream_session)
     app.cleanup_ctx.append(health_loop)
+    app.cleanup_ctx.append(config_watcher)
     add_admin_routes(app)
     app.router.add_route("*", "/{tail:.*}", handle)
     return app

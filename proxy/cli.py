@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
-        return run_async(serve(config, host, port))
+        return run_async(serve(config, host, port, config_path=args.config))
     if args.command == "sim":
         from proxy.sim.cli import run_sim
 

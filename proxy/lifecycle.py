@@ -39,8 +39,8 @@ def begin_shutdown(runtime: Runtime) -> None:
     runtime.dispatcher.close()
 
 
-async def serve(config: Config, host: str, port: int) -> int:
-    app = build_app(config)
+async def serve(config: Config, host: str, port: int, config_path: str | None = None) -> int:
+    app = build_app(config, config_path=config_path)
     runtime = app[RUNTIME]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -66,9 +66,19 @@ async def serve(config: Config, host: str, port: int) -> int:
         begin_shutdown(runtime)
         stop.set()
 
+    reloads: set[asyncio.Task[object]] = set()
+
+    def on_hangup() -> None:
+        if runtime.reloader is None:
+            return
+        task: asyncio.Task[object] = asyncio.ensure_future(runtime.reloader.reload("sighup"))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
         await stop.wait()
         grace_s = runtime.rules.config.server.shutdown_grace_ms / 1000.0

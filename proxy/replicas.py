@@ -36,6 +36,7 @@ class Replica:
         "inflight",
         "limit",
         "name",
+        "retired",
         "saturated",
         "url",
         "warming",
@@ -51,6 +52,8 @@ class Replica:
         self.ejected = False
         self.draining = False
         self.warming = False
+        #: Removed from the config by a reload: drains, then leaves the pool.
+        self.retired = False
         #: Engine metrics say the replica is saturated (fresh readings only).
         self.saturated = False
         #: Its GPU's memory is over the guard (sidecar mode).
@@ -189,12 +192,27 @@ class ReplicaPool:
         """
         return any(not (r.ejected or r.draining) for r in self._by_name.values())
 
+    def add(self, replica: Replica) -> None:
+        """A replica new in the config (reload); it warms before it serves."""
+        self._by_name[replica.name] = replica
+
+    def retire(self, name: str) -> None:
+        """Removed from the config: no new work; it leaves once its last seat is back."""
+        replica = self._by_name.get(ReplicaName(name))
+        if replica is None:
+            return
+        replica.retired = replica.draining = True
+        if replica.inflight == 0:
+            del self._by_name[replica.name]
+
     def lease(self, replica: Replica) -> Seat:
         replica.inflight += 1
         return Seat(replica, self._release)
 
     def _release(self, replica: Replica) -> None:
         replica.inflight -= 1
+        if replica.retired and replica.inflight == 0:
+            self._by_name.pop(replica.name, None)
         self._on_free()
 
     def total_inflight(self) -> int:

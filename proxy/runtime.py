@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -66,6 +67,8 @@ class Runtime:
     retry_budget: RetryBudget
     gpu: GpuSampler = field(default_factory=lambda: GpuSampler(FakeGpuProbe(), lambda: None))
     session: aiohttp.ClientSession | None = None
+    #: Set when the proxy was started from a file (``serve``): reload reads it.
+    reloader: Any = None
     shutting_down: bool = False
     #: Requests inside the handler right now (graceful shutdown waits for them).
     active: set[object] = field(default_factory=set)
