@@ -53,7 +53,7 @@ FLOWS = (
     Flow("chat", "demo-chat-key", 5.0, (16, 48), 1.0),
     Flow("webapp", "demo-webapp-key", 5.0, (32, 96), 0.3),
     Flow("webapp", "demo-webapp-key", 1.0, (16, 32), 1.0, priority="interactive"),
-    Flow("analytics", "demo-analytics-key", 30.0, (128, 256), 0.0),  # over its 20/s quota
+    Flow("analytics", "demo-analytics-key", 30.0, (64, 160), 0.0),  # over its 20/s quota
 )
 
 
