@@ -2,8 +2,9 @@
 
 ``POST /v1/chat/completions`` returns one small, fixed OpenAI-style completion
 (with ``usage``), so everything a benchmark measures beyond this server is the
-cost of what sits in front of it. ``/health`` and ``/v1/models`` answer too, so
-the proxy's probes and warm-up find a healthy engine.
+cost of what sits in front of it. ``/health``, ``/v1/models`` and
+``POST /v1/completions`` (the proxy's warm-up request) answer too, so the
+proxy's probes and warm-up find a healthy engine.
 
     python -m bench.fast_upstream --port 9001
 """
@@ -53,6 +54,7 @@ async def health(request: web.Request) -> web.Response:
 def build_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", chat)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     return app
