@@ -1,0 +1,856 @@
+"""The deployment files, checked by parsing them (no container engine needed).
+
+Dockerfile, docker-compose.yml, deploy/ (Kubernetes, Prometheus, Grafana, the
+OpenTelemetry Collector) and config/schema.json must agree with the proxy as
+it is: its CLI, its config model, the metrics a live ``/metrics`` exports and
+the paths it serves. Each test names one promise a deployer relies on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import redirect_stderr
+from pathlib import Path, PurePosixPath
+from typing import Any, get_args
+from urllib.parse import urlsplit
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import schema
+from proxy.cli import _parser
+from proxy.errors import Outcome, ProxyError
+from proxy.settings import DEFAULT_PORT, Config, ConfigError, parse_config
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, make_config
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+DESIGN = ROOT.parent / "shared" / "DESIGN.md"
+CONFIG_DIR = "/etc/admission-proxy"
+IMAGE_CONFIG = f"{CONFIG_DIR}/config.yaml"
+SERVE = ["admission-proxy", "serve", "--config", IMAGE_CONFIG]
+
+#: DESIGN section 7 (a contract): every metric name, its type and its labels.
+DESIGN_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "admission_requests_total": ("counter", frozenset({"tenant", "priority", "outcome", "reason"})),
+    "admission_queue_depth": ("gauge", frozenset({"tenant", "priority"})),
+    "admission_queue_depth_max": ("gauge", frozenset({"tenant"})),
+    "admission_wait_seconds": ("histogram", frozenset({"layer", "tenant"})),
+    "admission_ttft_seconds": ("histogram", frozenset({"tenant"})),
+    "admission_request_duration_seconds": ("histogram", frozenset({"tenant", "outcome"})),
+    "admission_timeouts_total": ("counter", frozenset({"layer"})),
+    "admission_retries_total": ("counter", frozenset({"reason"})),
+    "admission_retry_budget_exhausted_total": ("counter", frozenset()),
+    "admission_goodput_total": ("counter", frozenset({"tenant"})),
+    "admission_tokens_total": ("counter", frozenset({"tenant", "direction"})),
+    "admission_replica_inflight": ("gauge", frozenset({"replica"})),
+    "admission_replica_limit": ("gauge", frozenset({"replica"})),
+    "admission_replica_healthy": ("gauge", frozenset({"replica"})),
+    "admission_gpu_utilization_ratio": ("gauge", frozenset({"gpu"})),
+    "admission_gpu_memory_used_ratio": ("gauge", frozenset({"gpu"})),
+    "admission_config_reloads_total": ("counter", frozenset({"result"})),
+}
+#: Labels Prometheus adds to every scraped series, and the histogram bucket label.
+TARGET_LABELS = frozenset({"instance", "job"})
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+#: Label values a query may match on, beyond the reason codes of ``proxy.errors``.
+EXTRA_REASONS = frozenset({"none", "upstream_status", "client_disconnected"})
+LAYERS = frozenset({"entrance", "queue", "connect", "first_byte", "idle", "total"})
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _yaml_files() -> list[Path]:
+    found = [*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml"), *(ROOT / "config").glob("*.yaml")]
+    return sorted([*found, ROOT / "docker-compose.yml"])
+
+
+def _json_files() -> list[Path]:
+    return sorted([*DEPLOY.rglob("*.json"), *(ROOT / "config").glob("*.json")])
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def _compose() -> dict[str, Any]:
+    compose: dict[str, Any] = _load(ROOT / "docker-compose.yml")
+    return compose
+
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv`` (without the program name) with the real CLI parser."""
+    err = io.StringIO()
+    try:
+        with redirect_stderr(err):
+            return _parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"admission-proxy rejects {argv}: {err.getvalue()}")
+
+
+def _config_from(path: Path, env: dict[str, str] | None = None) -> Config:
+    """The config ``serve`` would build from ``path`` under exactly ``env``'s overrides."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(os.environ):
+            if name.upper().startswith("ADMISSION_"):
+                mp.delenv(name)
+        for name, value in (env or {}).items():
+            mp.setenv(name, value)
+        return parse_config(path.read_text(encoding="utf-8"), str(path))
+
+
+# --------------------------------------------------------------------------- every file parses
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=_rel)
+def test_every_yaml_file_parses(path: Path) -> None:
+    """Every YAML under deploy/ and config/ (and the compose file) parses, each document."""
+    documents = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
+    assert documents and all(isinstance(d, dict) for d in documents), path
+
+
+@pytest.mark.parametrize("path", _json_files(), ids=_rel)
+def test_every_json_file_parses(path: Path) -> None:
+    """Every JSON under deploy/ and config/ parses to an object."""
+    assert isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+
+
+# --------------------------------------------------------------------------- config schema
+
+#: Config files carrying the editor modeline; each must be a valid config.
+CONFIG_FILES = [
+    ROOT / "config" / "example.yaml",
+    ROOT / "config" / "demo.yaml",
+    DEPLOY / "kubernetes" / "gateway" / "config.yaml",
+    DEPLOY / "kubernetes" / "sidecar" / "config.yaml",
+]
+MODELINE = re.compile(r"^# yaml-language-server: \$schema=(\S+)$", re.MULTILINE)
+
+
+def test_committed_schema_is_the_generated_one() -> None:
+    """config/schema.json is exactly what ``python -m proxy.schema`` prints now."""
+    committed = (ROOT / "config" / "schema.json").read_text(encoding="utf-8")
+    assert committed == schema.render(), "stale schema: run python -m proxy.schema --write"
+    assert schema.SCHEMA_PATH == ROOT / "config" / "schema.json"
+
+
+def test_schema_command_prints_writes_and_checks(tmp_path: Path) -> None:
+    """No flag prints the schema, --write rewrites the file, --check exits 1 on a stale one."""
+    out = io.StringIO()
+    assert schema.main([], out=out) == 0
+    assert out.getvalue() == schema.render() and out.getvalue().endswith("}\n")
+    assert schema.main(["--check"]) == 0
+    target = tmp_path / "schema.json"
+    target.write_text("{}\n", encoding="utf-8")
+    assert schema.main(["--check", "--path", str(target)]) == 1
+    assert schema.main(["--write", "--path", str(target)]) == 0
+    assert target.read_text(encoding="utf-8") == schema.render()
+    assert schema.main(["--check", "--path", str(target)]) == 0
+    assert schema.main(["--check", "--path", str(tmp_path / "missing.json")]) == 1
+
+
+def test_schema_is_deterministic_and_valid() -> None:
+    """Two generations are identical, and the result is a valid draft 2020-12 schema."""
+    assert schema.render() == schema.render()
+    document = json.loads(schema.render())
+    assert document["$schema"] == schema.DIALECT
+    jsonschema.Draft202012Validator.check_schema(document)
+
+
+def test_example_configs_reference_the_schema() -> None:
+    """Every config file under config/ and deploy/ points editors at config/schema.json."""
+    with_modeline = {
+        path
+        for path in _yaml_files()
+        if MODELINE.search(path.read_text(encoding="utf-8")) is not None
+    }
+    assert with_modeline == set(CONFIG_FILES)
+    for path in CONFIG_FILES:
+        text = path.read_text(encoding="utf-8")
+        assert text.startswith("# yaml-language-server: $schema="), path
+        match = MODELINE.search(text)
+        assert match is not None
+        assert (path.parent / match[1]).resolve() == ROOT / "config" / "schema.json", path
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=_rel)
+def test_config_file_validates_against_schema_and_model(path: Path) -> None:
+    """The file passes the JSON Schema (what editors check) and the model (what serve checks)."""
+    validator = jsonschema.Draft202012Validator(json.loads(schema.render()))
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(_load(path))]
+    assert errors == []
+    _config_from(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        ({"servr": {"port": 8080}}, []),
+        ({"retry": {"jitter": "sometimes"}}, ["retry", "jitter"]),
+        ({"budgets": {"queue_ms": -1}}, ["budgets", "queue_ms"]),
+    ],
+)
+def test_schema_catches_what_the_model_refuses(change: dict[str, Any], where: list[str]) -> None:
+    """A misspelt key, an unknown enum value, a negative budget: both schema and model refuse."""
+    document = {**_load(ROOT / "config" / "demo.yaml"), **change}
+    validator = jsonschema.Draft202012Validator(json.loads(schema.render()))
+    assert [list(e.absolute_path) for e in validator.iter_errors(document)] == [where]
+    with pytest.raises(ConfigError):
+        parse_config(yaml.safe_dump(document))
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    lines: list[str] = []
+    pending = ""
+    for raw in (ROOT / "Dockerfile").read_text(encoding="utf-8").splitlines():
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        lines.append(pending + stripped)
+        pending = ""
+    result = []
+    for line in lines:
+        instruction, _, arguments = line.partition(" ")
+        result.append((instruction.upper(), arguments.strip()))
+    return result
+
+
+def _stages() -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for instruction, arguments in _dockerfile():
+        if instruction == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((instruction, arguments))
+    return stages
+
+
+def _exec_form(arguments: str) -> list[str]:
+    value = json.loads(arguments)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), arguments
+    return value
+
+
+def _final(instruction: str) -> list[str]:
+    found = [a for i, a in _stages()[-1] if i == instruction]
+    assert found, f"no {instruction} in the final stage"
+    return found
+
+
+def test_dockerfile_is_multi_stage_on_slim_python_311() -> None:
+    """Two or more stages, all on a slim Python 3.11 image (ARG defaults resolved)."""
+    args = dict(
+        a.split("=", 1) for i, a in _dockerfile() if i == "ARG" and "=" in a
+    )  # fmt: skip
+    bases = []
+    for stage in _stages():
+        image = stage[0][1].split()[0]
+        bases.append(re.sub(r"\$\{?(\w+)\}?", lambda m: args[m[1]], image))
+    assert len(bases) >= 2
+    assert all(re.fullmatch(r"python:3\.11-slim(-\w+)?", base) for base in bases), bases
+
+
+def test_dockerfile_final_stage_has_only_the_runtime() -> None:
+    """The final stage installs nothing: it copies the built venv; no dev extra anywhere."""
+    final = _stages()[-1]
+    assert not [a for i, a in final if i == "RUN" and "pip" in a]
+    assert any(i == "COPY" and a.startswith("--from=build ") for i, a in final)
+    everything = " ".join(a for _, a in _dockerfile())
+    assert "[dev]" not in everything and "-e " not in everything
+
+
+def test_dockerfile_runs_as_non_root() -> None:
+    """USER in the final stage is a numeric, non-zero uid (Kubernetes can verify it)."""
+    user = _final("USER")[-1].split(":")[0]
+    assert user.isdigit() and int(user) != 0
+
+
+def test_dockerfile_command_is_the_readme_run_command() -> None:
+    """ENTRYPOINT + CMD is `admission-proxy serve --config /etc/admission-proxy/config.yaml`."""
+    command = _exec_form(_final("ENTRYPOINT")[-1]) + _exec_form(_final("CMD")[-1])
+    assert command == SERVE
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "admission-proxy serve --config PATH" in readme
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert command[0] in scripts["project"]["scripts"]
+    args = _cli(command[1:])
+    assert args.command == "serve" and args.config == IMAGE_CONFIG
+
+
+def test_dockerfile_healthcheck_exposes_and_default_config() -> None:
+    """HEALTHCHECK probes /healthz on the default port, which is EXPOSEd; a config is baked in."""
+    healthcheck = _final("HEALTHCHECK")[-1]
+    assert "/healthz" in healthcheck and f"'{DEFAULT_PORT}'" in healthcheck
+    assert _final("EXPOSE") == [str(DEFAULT_PORT)]
+    copies = [a.split() for a in _final("COPY")]
+    assert ["config/example.yaml", IMAGE_CONFIG] in copies
+    assert _final("STOPSIGNAL") == ["SIGTERM"]
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or a parent decides."""
+    parts = PurePosixPath(path).parts
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        body = pattern.removeprefix("!").strip("/")
+        regex = re.escape(body).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*")
+        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        regex = re.sub(r"\\\[([^\]]*)\\\]", r"[\1]", regex)
+        if any(re.fullmatch(regex, candidate) for candidate in candidates):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_what_copy_needs_and_drops_the_rest() -> None:
+    """Every COPY source exists and reaches the build; .venv, .git and tests do not."""
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    sources = []
+    for instruction, arguments in _dockerfile():
+        if instruction == "COPY" and not arguments.startswith("--from"):
+            sources += [s.rstrip("/") for s in arguments.split()[:-1] if not s.startswith("--")]
+    assert sources
+    for source in sources:
+        assert (ROOT / source).exists(), source
+        assert not _dockerignored(source, patterns), source
+    assert not _dockerignored("proxy/cli.py", patterns)
+    for dropped in (".venv/bin/python", ".git/HEAD", "tests/test_deploy.py", "bench/x.py",
+                    "proxy/__pycache__/cli.cpython-311.pyc", "config/local.yaml"):  # fmt: skip
+        assert _dockerignored(dropped, patterns), dropped
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def _host_path(service: dict[str, Any], container_path: str) -> Path:
+    """The host file behind ``container_path``, through the service's bind mounts."""
+    best: tuple[str, str] | None = None
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        inside = container_path == target or container_path.startswith(target.rstrip("/") + "/")
+        if inside and (best is None or len(target) > len(best[1])):
+            best = (source, target)
+    assert best is not None, f"{container_path} is not mounted"
+    return ROOT / best[0] / container_path[len(best[1]) :].lstrip("/")
+
+
+def _service_image_is_ours(service: dict[str, Any]) -> bool:
+    return "build" in service
+
+
+def _sim_ports(compose: dict[str, Any]) -> dict[str, int]:
+    """Simulated replicas by service name, with the port each listens on."""
+    ports = {}
+    for name, service in compose["services"].items():
+        command = service.get("command")
+        if _service_image_is_ours(service) and command and command[0] == "sim":
+            args = _cli(command)
+            assert args.host == "0.0.0.0", f"{name} must listen beyond its own loopback"
+            ports[name] = args.port
+    return ports
+
+
+def test_compose_has_the_whole_stack() -> None:
+    """The proxy, two simulated replicas, the collector, Jaeger, Prometheus and Grafana."""
+    services = set(_compose()["services"])
+    expected = {"proxy", "otel-collector", "jaeger", "prometheus", "grafana"}
+    assert expected <= services
+    assert len(_sim_ports(_compose())) == 2
+
+
+def test_compose_bind_mounts_and_build_exist() -> None:
+    """Every ./ bind mount and every build context on the host exists."""
+    for name, service in _compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith("./"), f"{name}: {volume} is not a relative bind mount"
+            assert (ROOT / source).exists(), f"{name}: {source} does not exist"
+        if "build" in service:
+            context = ROOT / service["build"]["context"]
+            assert (context / service["build"].get("dockerfile", "Dockerfile")).is_file()
+
+
+def test_compose_proxy_runs_serve_on_the_demo_config() -> None:
+    """serve --config on the mounted demo config; the environment points it at the sims."""
+    compose = _compose()
+    proxy = compose["services"]["proxy"]
+    args = _cli(proxy["command"])
+    assert args.command == "serve" and args.host is None and args.port is None
+    path = _host_path(proxy, args.config)
+    assert path == ROOT / "config" / "demo.yaml"
+    env = {k: str(v) for k, v in proxy["environment"].items()}
+    config = _config_from(path, env)
+    assert config.server.host == "0.0.0.0"
+    published = {int(p.split(":")[-1]) for p in proxy["ports"]}
+    assert config.server.port in published
+    sims = _sim_ports(compose)
+    assert {r.name for r in config.replicas} == set(sims)
+    for replica in config.replicas:
+        for url in (replica.url, replica.metrics_url):
+            assert url is not None
+            parts = urlsplit(url)
+            assert parts.hostname in sims and parts.port == sims[parts.hostname], url
+    assert {*sims, "otel-collector"} <= set(proxy["depends_on"])
+
+
+def test_compose_commands_are_the_cli_as_it_is() -> None:
+    """Every command given to the proxy image parses with the real CLI and its sim flags."""
+    from proxy.sim.cli import config_from_args
+
+    compose = _compose()
+    for name, service in compose["services"].items():
+        if not _service_image_is_ours(service) or "entrypoint" in service:
+            continue
+        args = _cli(service["command"])
+        if args.command == "sim":
+            config_from_args(args)
+            probe = " ".join(service["healthcheck"]["test"])
+            assert f"127.0.0.1:{args.port}/health" in probe, name
+    traffic = compose["services"]["traffic"]
+    script = traffic["entrypoint"][-1]
+    assert _host_path(traffic, script).is_file()
+    config = traffic["command"][traffic["command"].index("--config") + 1]
+    assert _host_path(traffic, config) == ROOT / "config" / "demo.yaml"
+
+
+def test_compose_traffic_sends_every_demo_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traffic script finds a usable key for every tenant of the demo config."""
+    spec = importlib.util.spec_from_file_location("traffic", DEPLOY / "compose" / "traffic.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "traffic", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    demo = _load(ROOT / "config" / "demo.yaml")
+    flows = module.flows(demo)
+    assert {f.tenant for f in flows} == set(demo["tenants"])
+    for flow in flows:
+        assert flow.key in demo["tenants"][flow.tenant]["api_keys"]
+        assert flow.rate_per_s > 0
+
+
+def test_compose_prometheus_scrapes_the_proxy_and_replicas() -> None:
+    """Scrape targets are compose services on their real ports; rule files exist."""
+    compose = _compose()
+    service = compose["services"]["prometheus"]
+    flag = next(c for c in service["command"] if c.startswith("--config.file="))
+    path = _host_path(service, flag.split("=", 1)[1])
+    assert path == DEPLOY / "prometheus" / "prometheus.yml"
+    prometheus = _load(path)
+    for rule_file in prometheus["rule_files"]:
+        assert (path.parent / rule_file).is_file(), rule_file
+    targets = {
+        target
+        for job in prometheus["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    proxy = compose["services"]["proxy"]
+    port = _config_from(ROOT / "config" / "demo.yaml", dict(proxy["environment"])).server.port
+    expected = {f"proxy:{port}"} | {f"{name}:{p}" for name, p in _sim_ports(compose).items()}
+    assert targets == expected
+
+
+def test_compose_grafana_and_tracing_are_wired() -> None:
+    """Grafana loads the dashboard from its provider; traces go proxy -> collector -> Jaeger."""
+    compose = _compose()
+    grafana = compose["services"]["grafana"]
+    provider = _load(DEPLOY / "grafana" / "provisioning" / "dashboards" / "admission-proxy.yaml")
+    folder = provider["providers"][0]["options"]["path"]
+    assert _host_path(grafana, f"{folder}/admission-proxy.json") == DEPLOY / "grafana" / (
+        "dashboard.json"
+    )
+    assert _host_path(grafana, "/etc/grafana/provisioning/dashboards").is_dir()
+    datasource = _load(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml")
+    url = urlsplit(datasource["datasources"][0]["url"])
+    assert url.hostname == "prometheus" and url.port == 9090
+    assert "9090:9090" in compose["services"]["prometheus"]["ports"]
+
+    collector = compose["services"]["otel-collector"]
+    flag = next(c for c in collector["command"] if c.startswith("--config="))
+    otel = _load(_host_path(collector, flag.split("=", 1)[1]))
+    http = urlsplit("//" + otel["receivers"]["otlp"]["protocols"]["http"]["endpoint"])
+    endpoint = urlsplit(compose["services"]["proxy"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert endpoint.hostname == "otel-collector" and endpoint.port == http.port
+    exporters = otel["service"]["pipelines"]["traces"]["exporters"]
+    assert all(name in otel["exporters"] for name in exporters)
+    jaeger = urlsplit("//" + otel["exporters"]["otlp/jaeger"]["endpoint"])
+    assert jaeger.hostname in compose["services"]
+
+
+# --------------------------------------------------------------------------- metrics used
+
+
+_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_SELECTOR = re.compile(r"(?<![\w:$])([A-Za-z_:][\w:]*)(?![\w:])\s*(\{[^}]*\})?(?!\s*\()")
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+_LABEL_VALUES = re.compile(r"label_values\(\s*([A-Za-z_:][\w:]*)\s*(\{[^}]*\})?\s*,\s*(\w+)\s*\)")
+_KEYWORDS = frozenset(
+    {"and", "or", "unless", "bool", "offset", "inf", "nan", "by", "without", "on", "ignoring"}
+    | {"group_left", "group_right"}
+)
+
+
+def _selectors(expr: str) -> tuple[list[tuple[str, list[tuple[str, str, str]]]], set[str]]:
+    """PromQL -> ([(metric, [(label, op, value)])], labels named in by/on/... clauses)."""
+    grouped: set[str] = set()
+    for match in _GROUPING.finditer(expr):
+        grouped |= {label.strip() for label in match[2].split(",") if label.strip()}
+    rest = _GROUPING.sub(" ", expr)
+    rest = re.sub(r"\[[^\]]*\]", " ", rest)
+    found = []
+    for match in _SELECTOR.finditer(rest):
+        if match[1] in _KEYWORDS:
+            continue
+        found.append((match[1], _MATCHER.findall(match[2] or "")))
+    return found, grouped
+
+
+def _dashboard() -> dict[str, Any]:
+    dashboard: dict[str, Any] = json.loads(
+        (DEPLOY / "grafana" / "dashboard.json").read_text(encoding="utf-8")
+    )
+    return dashboard
+
+
+def _panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in items:
+        yield panel
+        yield from _panels(panel.get("panels", []))
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    alerts = _load(DEPLOY / "prometheus" / "alerts.yml")
+    return [rule for group in alerts["groups"] for rule in group["rules"]]
+
+
+def _queries() -> list[tuple[str, str]]:
+    """(where, PromQL) for every dashboard target, alert rule and dashboard variable.
+
+    A ``label_values(metric, label)`` variable reads as ``sum by (label) (metric)``.
+    """
+    dashboard = _dashboard()
+    queries = [
+        (f"panel {p['title']!r}", t["expr"])
+        for p in _panels(dashboard["panels"])
+        for t in p.get("targets", [])
+    ]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            match = _LABEL_VALUES.fullmatch(variable["definition"])
+            assert match is not None, variable["definition"]
+            queries.append((f"variable {variable['name']}", f"sum by ({match[3]}) ({match[1]})"))
+    queries += [(f"alert {r['alert']}", str(r["expr"])) for r in _alert_rules()]
+    return queries
+
+
+def _design_name(used: str) -> str:
+    """The DESIGN section 7 metric a series name belongs to (``x_bucket`` -> histogram ``x``)."""
+    for name, (kind, _) in DESIGN_METRICS.items():
+        series = [name] if kind == "counter" else [name + s for s in SUFFIXES[kind]]
+        if used in series:
+            return name
+    pytest.fail(f"{used} is not a metric of DESIGN section 7")
+
+
+def _subclasses(cls: type[ProxyError]) -> Iterator[type[ProxyError]]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_promql_selector_extraction() -> None:
+    """The extractor finds metrics and matchers, not functions, keywords or variables."""
+    expr = (
+        "histogram_quantile(0.95, sum by (le, layer) (rate(admission_wait_seconds_bucket"
+        '{tenant=~"$tenant"}[$__rate_interval]))) / on (x) group_left m_b and c offset 1h'
+    )
+    selectors, grouped = _selectors(expr)
+    assert selectors == [
+        ("admission_wait_seconds_bucket", [("tenant", "=~", "$tenant")]),
+        ("m_b", []),
+        ("c", []),
+    ]
+    assert grouped == {"le", "layer", "x"}
+
+
+def test_dashboard_covers_the_issue_panels() -> None:
+    """Queue depth, wait per layer, rejections by reason, goodput, TTFT, seats against limit,
+    retries and GPU each have a panel."""
+    shown: dict[str, list[list[tuple[str, str, str]]]] = {}
+    for where, expr in _queries():
+        if where.startswith("panel"):
+            for name, matchers in _selectors(expr)[0]:
+                shown.setdefault(name, []).append(matchers)
+    for name in (
+        "admission_queue_depth",
+        "admission_wait_seconds_bucket",
+        "admission_requests_total",
+        "admission_goodput_total",
+        "admission_ttft_seconds_bucket",
+        "admission_replica_inflight",
+        "admission_replica_limit",
+        "admission_retries_total",
+        "admission_gpu_utilization_ratio",
+        "admission_gpu_memory_used_ratio",
+    ):
+        assert name in shown, name
+    assert any(
+        ("outcome", "=~", "rejected|timed_out") in m for m in shown["admission_requests_total"]
+    )
+    ids = [p["id"] for p in _panels(_dashboard()["panels"])]
+    assert len(ids) == len(set(ids))
+
+
+def test_alert_rules_cover_the_issue_signals() -> None:
+    """Queue near capacity, rejections rising, goodput falling, retry budget exhausted."""
+    rules = {r["alert"]: r for r in _alert_rules()}
+    assert {
+        "AdmissionQueueNearCapacity",
+        "AdmissionRejectionsRising",
+        "AdmissionGoodputFalling",
+        "AdmissionRetryBudgetExhausted",
+    } <= set(rules)
+    for rule in rules.values():
+        expr = str(rule["expr"])
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+        assert rule["annotations"]["summary"]
+
+
+def test_queries_use_design_names_labels_and_values() -> None:
+    """Every metric, label and label value a query uses is one DESIGN section 7 (and the
+    reason codes of section 6) define: a typo would draw an empty panel or a silent alert."""
+    reasons = {cls.reason for cls in _subclasses(ProxyError)} | EXTRA_REASONS
+    values = {"reason": reasons, "outcome": set(get_args(Outcome)), "layer": LAYERS}
+    for where, expr in _queries():
+        selectors, grouped = _selectors(expr)
+        assert selectors, f"{where}: no metric in {expr}"
+        in_expr: set[str] = set(TARGET_LABELS)
+        for used, matchers in selectors:
+            labels = DESIGN_METRICS[_design_name(used)][1]
+            allowed = labels | TARGET_LABELS | ({"le"} if used.endswith("_bucket") else set())
+            in_expr |= allowed
+            for label, _, value in matchers:
+                assert label in allowed, f"{where}: {used} has no label {label!r}"
+                if label in values and "$" not in value:
+                    unknown = set(value.split("|")) - values[label]
+                    assert not unknown, f"{where}: {label} {sorted(unknown)} never occurs"
+        assert grouped <= in_expr, f"{where}: grouping by {sorted(grouped - in_expr)}"
+
+
+def test_design_table_matches_the_contract_copy() -> None:
+    """DESIGN_METRICS here is DESIGN section 7's table (checked when DESIGN.md is present)."""
+    if not DESIGN.is_file():
+        pytest.skip(f"{DESIGN} not present")
+    text = DESIGN.read_text(encoding="utf-8")
+    section = text[text.index("**Metrics**") : text.index("**Admin API**")]
+    table: dict[str, tuple[str, frozenset[str]]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`admission_"):
+            continue
+        labels = frozenset(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", cells[2])))
+        for name in re.findall(r"`(\w+)`", cells[0]):
+            kind = re.match(r"\w+", cells[1])
+            assert kind is not None, line
+            table[name] = (kind[0], labels)
+    assert table == DESIGN_METRICS
+
+
+async def test_live_metrics_export_everything_used(start_proxy: Start, upstream_url: str) -> None:
+    """A live proxy's /metrics declares every DESIGN metric with its type and labels, so every
+    name the dashboard and alerts query exists (families without samples yet count by TYPE)."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    body = {"model": "m", "messages": [], "max_tokens": 3, "stream": True}
+    response = await proxy.client.post("/v1/chat/completions", json=body, headers=auth)
+    assert response.status == 200
+    await response.read()
+    text = await (await proxy.client.get("/metrics")).text()
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    exported: dict[str, str] = {}
+    for exported_family in families.values():
+        for suffix in SUFFIXES.get(exported_family.type, ("",)):
+            exported[exported_family.name + suffix] = exported_family.type
+    for name, (kind, labels) in DESIGN_METRICS.items():
+        family = families.get(name.removesuffix("_total") if kind == "counter" else name)
+        assert family is not None and family.type == kind, f"/metrics lacks {name} ({kind})"
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            assert set(sample.labels) - {"le"} == labels, (name, sample)
+    for where, expr in _queries():
+        for used, _ in _selectors(expr)[0]:
+            assert used in exported, f"{where}: /metrics does not export {used}"
+    sampled = {s.name for f in families.values() for s in f.samples}
+    for name in ("admission_requests_total", "admission_ttft_seconds_bucket",
+                 "admission_goodput_total", "admission_wait_seconds_bucket",
+                 "admission_replica_inflight", "admission_replica_limit"):  # fmt: skip
+        assert name in sampled, f"{name} has no sample after a completed stream"
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def _kustomize(mode: str) -> tuple[list[dict[str, Any]], dict[str, Path], dict[str, Any]]:
+    """The objects of a kustomization (resources), its generated ConfigMap files, itself."""
+    directory = DEPLOY / "kubernetes" / mode
+    kustomization: dict[str, Any] = _load(directory / "kustomization.yaml")
+    objects = []
+    for resource in kustomization["resources"]:
+        objects += [d for d in yaml.safe_load_all((directory / resource).read_text()) if d]
+    generated = {}
+    for generator in kustomization.get("configMapGenerator", []):
+        assert generator["options"]["disableNameSuffixHash"] is True
+        (file,) = generator["files"]
+        generated[generator["name"]] = directory / file
+    return objects, generated, kustomization
+
+
+def _one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind]
+    return found
+
+
+def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    matches: list[dict[str, Any]] = [c for c in pod["containers"] if c["name"] == name]
+    (found,) = matches
+    return found
+
+
+def _port(container: dict[str, Any], port: int | str) -> int:
+    """A probe's or a Service's port, by number or by the container's port name."""
+    if isinstance(port, int):
+        return port
+    (number,) = [p["containerPort"] for p in container["ports"] if p["name"] == port]
+    return int(number)
+
+
+def _sleep_s(container: dict[str, Any]) -> int:
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    return int(command[1])
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_kubernetes_proxy_container_matches_its_config(mode: str) -> None:
+    """Image command, mounted ConfigMap, port, probes on /readyz and /healthz, Service and
+    selectors: all agree with the config the pod reads."""
+    objects, generated, kustomization = _kustomize(mode)
+    deployment = _one(objects, "Deployment")
+    template = deployment["spec"]["template"]
+    pod = template["spec"]
+    proxy = _container(pod, "admission-proxy")
+
+    assert proxy["image"] in {i["name"] for i in kustomization["images"]}
+    args = _cli(proxy["args"])
+    assert args.command == "serve" and args.host is None and args.port is None
+    mount = next(m for m in proxy["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
+    assert mount["mountPath"] == CONFIG_DIR and mount.get("readOnly") is True
+    assert "subPath" not in mount, "subPath mounts never receive ConfigMap updates"
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config_file = generated[volume["configMap"]["name"]]
+    assert PurePosixPath(args.config).name == config_file.name
+    config = _config_from(config_file)
+
+    (http,) = proxy["ports"]
+    assert http["containerPort"] == config.server.port
+    ready, live = proxy["readinessProbe"]["httpGet"], proxy["livenessProbe"]["httpGet"]
+    assert (ready["path"], live["path"]) == ("/readyz", "/healthz")
+    assert _port(proxy, ready["port"]) == _port(proxy, live["port"]) == config.server.port
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(config.server.port)
+
+    service = _one(objects, "Service")
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    for port in service["spec"]["ports"]:
+        assert _port(proxy, port["targetPort"]) == config.server.port
+
+    drain_s = _sleep_s(proxy) + config.server.shutdown_grace_ms / 1000
+    assert pod["terminationGracePeriodSeconds"] > drain_s
+    assert pod["enableServiceLinks"] is False, "service links inject ADMISSION_* variables"
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_kubernetes_pods_run_non_root_with_requests(mode: str) -> None:
+    """Pod runs as a non-root uid; the proxy is locked down; every container requests resources."""
+    objects, _, _ = _kustomize(mode)
+    pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context.get("runAsUser", 1) != 0 and not context.get("privileged", False)
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), container["name"]
+        assert "memory" in container["resources"]["limits"], container["name"]
+    proxy = _container(pod, "admission-proxy")
+    assert proxy["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_kubernetes_gateway_survives_disruptions() -> None:
+    """Several proxy pods, a PodDisruptionBudget that still lets a node drain, no surge gap."""
+    objects, _, _ = _kustomize("gateway")
+    deployment = _one(objects, "Deployment")
+    budget = _one(objects, "PodDisruptionBudget")
+    replicas = deployment["spec"]["replicas"]
+    assert replicas >= 2 and 1 <= budget["spec"]["minAvailable"] < replicas
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_kubernetes_sidecar_fronts_its_own_gpu_engine() -> None:
+    """The one replica is vLLM on the pod's loopback port, gpu_index is set, vLLM holds the
+    GPU, the ports do not collide, and vLLM outlives the proxy's drain."""
+    objects, generated, _ = _kustomize("sidecar")
+    pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    vllm, proxy = _container(pod, "vllm"), _container(pod, "admission-proxy")
+    (config_file,) = generated.values()
+    config = _config_from(config_file)
+    (replica,) = config.replicas
+    vllm_port = int(vllm["args"][vllm["args"].index("--port") + 1])
+    assert vllm["args"][vllm["args"].index("--host") + 1] == "127.0.0.1"
+    for url in (replica.url, replica.metrics_url):
+        assert url is not None
+        parts = urlsplit(url)
+        assert parts.hostname in {"127.0.0.1", "localhost"} and parts.port == vllm_port
+    assert replica.gpu_index is not None
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in proxy["resources"].get("limits", {})
+    assert vllm_port != config.server.port
+    drain_s = _sleep_s(proxy) + config.server.shutdown_grace_ms / 1000
+    assert _sleep_s(vllm) >= drain_s
+    assert pod["terminationGracePeriodSeconds"] > _sleep_s(vllm)
