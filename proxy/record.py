@@ -56,6 +56,13 @@ class RequestRecord:
     #: The budgets this request was admitted under, for goodput.
     first_byte_budget_ms: float | None = None
     total_budget_ms: float | None = None
+    #: Durations in ms (rounded to the microsecond), computed once by ``end``;
+    #: None where the request never reached that point.
+    entrance_ms: float | None = None
+    queue_ms: float | None = None
+    upstream_ms: float | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
 
     def fail(self, error: ProxyError) -> None:
         """Record the proxy's own answer (before ``end``)."""
@@ -71,45 +78,27 @@ class RequestRecord:
         self.timeout_layer = None
 
     def end(self, now: float) -> None:
+        """The request is over: its outcome is final and its durations are computed, once."""
         if self.ended_at is not None:
             raise RuntimeError(f"request {self.request_id} ended twice")
         self.ended_at = now
         if self.outcome is None:
             self.outcome = "completed" if 200 <= self.status < 300 else "failed"
-
-    # -- derived durations, in milliseconds --------------------------------------------
-
-    @staticmethod
-    def _ms(start: float | None, end: float | None) -> float | None:
-        if start is None or end is None:
-            return None
-        return round((end - start) * 1000.0, 3)
-
-    @property
-    def entrance_ms(self) -> float | None:
-        return self._ms(self.arrival, self.entrance_done)
-
-    @property
-    def queue_ms(self) -> float | None:
-        end = self.dispatched_at if self.dispatched_at is not None else self.ended_at
-        return self._ms(self.enqueued_at, end)
-
-    @property
-    def upstream_ms(self) -> float | None:
-        """Dispatch to the first upstream body byte (the Server-Timing definition)."""
-        return self._ms(self.dispatched_at, self.first_byte_at)
-
-    @property
-    def ttft_ms(self) -> float | None:
-        return self._ms(self.arrival, self.first_token_at)
-
-    @property
-    def total_ms(self) -> float | None:
-        return self._ms(self.arrival, self.ended_at)
+        arrival = self.arrival
+        if self.entrance_done is not None:
+            self.entrance_ms = round((self.entrance_done - arrival) * 1000.0, 3)
+        if self.enqueued_at is not None:
+            left = self.dispatched_at if self.dispatched_at is not None else now
+            self.queue_ms = round((left - self.enqueued_at) * 1000.0, 3)
+        if self.dispatched_at is not None and self.first_byte_at is not None:
+            self.upstream_ms = round((self.first_byte_at - self.dispatched_at) * 1000.0, 3)
+        if self.first_token_at is not None:
+            self.ttft_ms = round((self.first_token_at - arrival) * 1000.0, 3)
+        self.total_ms = round((now - arrival) * 1000.0, 3)
 
     @property
     def good(self) -> bool:
-        """A 2xx that met its first-token and total budgets (goodput)."""
+        """A 2xx that met its first-token and total budgets (goodput); after ``end``."""
         if self.outcome != "completed":
             return False
         ttft, total = self.ttft_ms, self.total_ms
@@ -121,11 +110,18 @@ class RequestRecord:
         )
 
     def server_timing(self) -> str:
-        parts = []
-        for name, value in (
-            ("entrance", self.entrance_ms),
-            ("queue", self.queue_ms),
-            ("upstream", self.upstream_ms),
-        ):
-            parts.append(f"{name};dur={value if value is not None else 0:.3f}")
-        return ", ".join(parts)
+        """``Server-Timing`` while the answer is being made (before ``end``): ms, 0 when unknown.
+
+        Entrance, queue (to now when the ticket is still waiting: 0 before
+        ``end``), upstream (dispatch to the first upstream body byte).
+        """
+        arrival = self.arrival
+        entrance = queue = upstream = 0.0
+        if self.entrance_done is not None:
+            entrance = (self.entrance_done - arrival) * 1000.0
+        left = self.dispatched_at if self.dispatched_at is not None else self.ended_at
+        if self.enqueued_at is not None and left is not None:
+            queue = (left - self.enqueued_at) * 1000.0
+        if self.dispatched_at is not None and self.first_byte_at is not None:
+            upstream = (self.first_byte_at - self.dispatched_at) * 1000.0
+        return f"entrance;dur={entrance:.3f}, queue;dur={queue:.3f}, upstream;dur={upstream:.3f}"

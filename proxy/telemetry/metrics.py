@@ -6,22 +6,167 @@ updated by the hooks in ``telemetry/__init__.py``; gauges that describe
 current state (queue depth, replica seats) are read from the live objects at
 scrape time by ``StateCollector``, so the request path never updates them and
 they can never drift from the truth.
+
+The series every request updates (``admission_requests_total``, the wait,
+TTFT and duration histograms, goodput, tokens) are ``CounterFamily`` and
+``HistogramFamily``: the same exposition as prometheus-client's ``Counter``
+and ``Histogram`` (``_total``, ``_bucket``, ``_count``, ``_sum``,
+``_created``), but an update is one addition and, for a histogram, one
+``bisect``, instead of a validation, a lock and a Python loop over the
+buckets (about a tenth of the cost). They take no lock: the request path and
+``/metrics`` both run on the event loop's thread. The rarer counters
+(timeouts, retries, reloads) stay prometheus-client objects.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+#: prometheus-client's ``le`` label text for a bucket bound ("0.005", "+Inf").
+_go_float = cast(Callable[[float], str], floatToGoString)
 
 #: Latency buckets in seconds, from a fast cache hit to a long generation.
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
 OTHER_TENANTS = "other"
+#: prometheus-client's switch for the ``_created`` series, honoured here alike.
+CREATED_SERIES = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in (
+    "true", "1", "t",
+)  # fmt: skip
+
+
+class CounterChild:
+    """One labelled counter series."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class HistogramChild:
+    """One labelled histogram series; ``counts`` per bucket, not cumulative."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0.0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        # The first bound >= amount is the bucket ``le`` counts it in (+Inf last).
+        self.counts[bisect_left(self.bounds, amount)] += 1.0
+        self.sum += amount
+
+
+class _Family(Collector):
+    """A labelled metric registered in a registry; children are made on first use."""
+
+    _type = ""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        registry.register(self)
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.name, self.documentation, self._type)]
+
+
+class CounterFamily(_Family):
+    """A labelled counter, exposed like prometheus-client's ``Counter``."""
+
+    _type = "counter"
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+
+    def labels(self, *values: str) -> CounterChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            child = self._children[values] = CounterChild()
+        return child
+
+    def collect(self) -> Iterable[Metric]:
+        metric = Metric(self.name, self.documentation, self._type)
+        for values, child in list(self._children.items()):
+            labels = dict(zip(self.labelnames, values, strict=True))
+            metric.add_sample(self.name + "_total", labels, child.value)
+            if CREATED_SERIES:
+                metric.add_sample(self.name + "_created", labels, child.created)
+        return [metric]
+
+
+class HistogramFamily(_Family):
+    """A labelled histogram, exposed like prometheus-client's ``Histogram``."""
+
+    _type = "histogram"
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        *,
+        buckets: Sequence[float],
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry)
+        bounds = tuple(float(b) for b in buckets)
+        if list(bounds) != sorted(bounds):
+            raise ValueError("buckets not in sorted order")
+        self.bounds = bounds if bounds[-1] == float("inf") else (*bounds, float("inf"))
+        self._le = tuple(_go_float(b) for b in self.bounds)
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+
+    def labels(self, *values: str) -> HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            child = self._children[values] = HistogramChild(self.bounds)
+        return child
+
+    def collect(self) -> Iterable[Metric]:
+        metric = Metric(self.name, self.documentation, self._type)
+        name = self.name
+        for values, child in list(self._children.items()):
+            labels = dict(zip(self.labelnames, values, strict=True))
+            total = 0.0
+            for le, count in zip(self._le, child.counts, strict=True):
+                total += count
+                metric.add_sample(name + "_bucket", {**labels, "le": le}, total)
+            metric.add_sample(name + "_count", labels, total)
+            if self.bounds[0] >= 0:
+                metric.add_sample(name + "_sum", labels, child.sum)
+            if CREATED_SERIES:
+                metric.add_sample(name + "_created", labels, child.created)
+        return [metric]
 
 
 class TenantLabels:
@@ -102,44 +247,40 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        self.requests = CounterFamily(
             "admission_requests",
             "Requests by final outcome",
             ["tenant", "priority", "outcome", "reason"],
-            registry=r,
+            r,
         )
-        self.wait = Histogram(
+        self.wait = HistogramFamily(
             "admission_wait_seconds",
             "Wait per layer",
             ["layer", "tenant"],
+            r,
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.ttft = Histogram(
-            "admission_ttft_seconds",
-            "Arrival to first token",
-            ["tenant"],
+        self.ttft = HistogramFamily(
+            "admission_ttft_seconds", "Arrival to first token", ["tenant"], r,
             buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.duration = Histogram(
+        )  # fmt: skip
+        self.duration = HistogramFamily(
             "admission_request_duration_seconds",
             "Arrival to the end of the response",
             ["tenant", "outcome"],
+            r,
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         self.timeouts = Counter("admission_timeouts", "Timeouts by layer", ["layer"], registry=r)
         self.retries = Counter("admission_retries", "Retries by reason", ["reason"], registry=r)
         self.retry_budget_exhausted = Counter(
             "admission_retry_budget_exhausted", "Retries refused by the budget", registry=r
         )
-        self.goodput = Counter(
-            "admission_goodput", "2xx answers that met their TTFT and total budgets",
-            ["tenant"], registry=r,
-        )  # fmt: skip
-        self.tokens = Counter(
-            "admission_tokens", "Tokens by direction", ["tenant", "direction"], registry=r
+        self.goodput = CounterFamily(
+            "admission_goodput", "2xx answers that met their TTFT and total budgets", ["tenant"], r
+        )
+        self.tokens = CounterFamily(
+            "admission_tokens", "Tokens by direction", ["tenant", "direction"], r
         )
         self.config_reloads = Counter(
             "admission_config_reloads", "Config reloads by result", ["result"], registry=r
