@@ -368,8 +368,8 @@ class Dispatcher:
 
     def _pump(self) -> None:
         """Hand free seats to the tickets the scheduler picks, until one runs out."""
-        if self._pumping:
-            return
+        if self._pumping or not (self._reseating or len(self.scheduler)):
+            return  # already pumping, or nobody waits (every release when unloaded)
         self._pumping = True
         try:
             for waiter in list(self._reseating):
@@ -407,7 +407,10 @@ class Dispatcher:
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)
-        self._rates.setdefault(ticket.tenant, DispatchRate()).record(now)
+        rate = self._rates.get(ticket.tenant)
+        if rate is None:
+            rate = self._rates[ticket.tenant] = DispatchRate()
+        rate.record(now)
         self._fleet_rate.record(now)
         if ticket.future is not None:
             ticket.future.set_result(seat)

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from proxy.admitted import Admitted
 from proxy.deadline import Deadline
@@ -126,31 +127,35 @@ async def _admit(
     request: web.Request, rules: Rules, runtime: Runtime, record: RequestRecord
 ) -> Admitted:
     config = rules.config
-    tenant = _identify(request, rules)
+    headers = request.headers
+    tenant = _identify(headers, rules)
     record.tenant = tenant
     tenant_config = config.tenants[tenant]
-    priority = _priority(request, rules, tenant_config.priority)
-    if priority not in tenant_config.classes():
-        record.priority = priority
-        raise PriorityNotAllowed(f"tenant {tenant!r} may not use priority {priority!r}")
+    priority = _priority(headers, rules, tenant_config.priority)
     record.priority = priority
-    client_timeout_ms = _client_timeout_ms(request)
-    max_body = config.server.max_body_bytes
-    if request.content_length is not None and request.content_length > max_body:
-        raise BodyTooLarge(f"body of {request.content_length} bytes exceeds {max_body}")
+    # The default class is always allowed: only another one needs the set.
+    if priority != tenant_config.priority and priority not in tenant_config.classes():
+        raise PriorityNotAllowed(f"tenant {tenant!r} may not use priority {priority!r}")
+    client_timeout_ms = _client_timeout_ms(headers)
+    server = config.server
+    max_body = server.max_body_bytes
+    content_length = request.content_length
+    if content_length is not None and content_length > max_body:
+        raise BodyTooLarge(f"body of {content_length} bytes exceeds {max_body}")
     wait_s = runtime.quotas.try_take(tenant)
     if wait_s > 0:
         raise RateLimited(f"tenant {tenant!r} is over its request rate", retry_after_s=wait_s)
     budgets = rules.budgets[tenant]
-    deadline = Deadline.start(record.arrival, budgets, client_timeout_ms)
+    arrival = record.arrival
+    deadline = Deadline.start(arrival, budgets, client_timeout_ms)
     record.first_byte_budget_ms = float(budgets.first_byte_ms)
-    record.total_budget_ms = (deadline.total_at - deadline.arrival) * 1000.0
-    entrance_s = config.server.entrance_ms / 1000.0
-    body = await _read_body(request, max_body, record.arrival + entrance_s - runtime.clock.now())
-    path = request.path
+    record.total_budget_ms = (deadline.total_at - arrival) * 1000.0
+    entrance_until = arrival + server.entrance_ms / 1000.0
+    body = await _read_body(request, max_body, entrance_until, runtime)
+    path = record.path
     inference = path in INFERENCE_PATHS
     doc = _parse_json(body) if inference and body else None
-    seatless = request.method in ("GET", "HEAD") or path in SEATLESS_PATHS
+    seatless = record.method in ("GET", "HEAD") or path in SEATLESS_PATHS
     streaming = path == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
     record.entrance_done = runtime.clock.now()
@@ -166,9 +171,9 @@ async def _admit(
     )
 
 
-def _identify(request: web.Request, rules: Rules) -> str:
-    key = request.headers.get("X-API-Key")
-    auth = request.headers.get("Authorization")
+def _identify(headers: CIMultiDictProxy[str], rules: Rules) -> str:
+    key = headers.get("X-API-Key")
+    auth = headers.get("Authorization")
     if key is None and auth is not None:
         scheme, _, value = auth.partition(" ")
         if scheme.lower() == "bearer" and value.strip():
@@ -184,8 +189,8 @@ def _identify(request: web.Request, rules: Rules) -> str:
     return tenant
 
 
-def _priority(request: web.Request, rules: Rules, default: str) -> str:
-    asked = request.headers.get("X-Priority")
+def _priority(headers: CIMultiDictProxy[str], rules: Rules, default: str) -> str:
+    asked = headers.get("X-Priority")
     if asked is None:
         return default
     asked = asked.strip().lower()
@@ -195,8 +200,8 @@ def _priority(request: web.Request, rules: Rules, default: str) -> str:
     return asked
 
 
-def _client_timeout_ms(request: web.Request) -> int | None:
-    value = request.headers.get("X-Request-Timeout-Ms")
+def _client_timeout_ms(headers: CIMultiDictProxy[str]) -> int | None:
+    value = headers.get("X-Request-Timeout-Ms")
     if value is None:
         return None
     value = value.strip()
@@ -205,8 +210,8 @@ def _client_timeout_ms(request: web.Request) -> int | None:
     return int(value)
 
 
-async def _read_body(request: web.Request, max_body: int, budget_s: float) -> bytes:
-    """The whole body within the entrance budget, never more than ``max_body`` bytes."""
+async def _read_body(request: web.Request, max_body: int, until: float, runtime: Runtime) -> bytes:
+    """The whole body by ``until`` (the entrance budget), never more than ``max_body`` bytes."""
     if not request.body_exists:
         return b""
     content = request.content
@@ -215,6 +220,7 @@ async def _read_body(request: web.Request, max_body: int, budget_s: float) -> by
         if len(body) > max_body:
             raise BodyTooLarge(f"body exceeds {max_body} bytes")
         return body
+    budget_s = until - runtime.clock.now()
     chunks: list[bytes] = []
     size = 0
     try:

@@ -23,7 +23,7 @@ from proxy.errors import (
     TotalTimeout,
 )
 from proxy.record import RequestRecord
-from proxy.relay import HOP_BY_HOP, end_to_end_headers, relay
+from proxy.relay import HOP_BY_HOP, end_to_end_headers, relay, relay_whole
 from proxy.replicas import Replica, Seat
 from proxy.retries import parse_retry_after, status_class
 from proxy.runtime import Rules, Runtime
@@ -75,7 +75,8 @@ async def forward(
                                 admitted.deadline)  # fmt: skip
     record.enqueued_at = ticket.enqueued_at
     record.queue_depth_at_enqueue = dispatcher.scheduler.depth(admitted.tenant)
-    lease = Lease(await dispatcher.wait(ticket))
+    # Granted at once (the unloaded case): no wait to suspend in.
+    lease = Lease(ticket.seat if ticket.seat is not None else await dispatcher.wait(ticket))
     record.dispatched_at = runtime.clock.now()
     runtime.retry_budget.record_request()
     grace_s = 0.0
@@ -191,21 +192,25 @@ async def _attempt(
     extra = {"X-Request-Id": record.request_id}
     if replica.api_key:
         extra["Authorization"] = f"Bearer {replica.api_key}"
+    trace = record.trace
     tracing = runtime.telemetry.tracing
-    if record.trace is not None:
-        tracing.upstream_started(record.trace, record, replica.name, runtime.clock.now(), extra)
+    if trace is not None:
+        tracing.upstream_started(trace, record, replica.name, runtime.clock.now(), extra)
     try:
         committed = await attempt(
             runtime.client_session(), replica, upstream_request, admitted.deadline, runtime.clock,
             extra_headers=extra,
         )  # fmt: skip
     except ProxyError as err:
-        tracing.upstream_ended(record.trace, record, runtime.clock.now(), error=err.reason)
+        if trace is not None:
+            tracing.upstream_ended(trace, record, runtime.clock.now(), error=err.reason)
         raise
     except BaseException:
-        tracing.upstream_ended(record.trace, record, runtime.clock.now(), error="cancelled")
+        if trace is not None:
+            tracing.upstream_ended(trace, record, runtime.clock.now(), error="cancelled")
         raise
-    tracing.upstream_ended(record.trace, record, committed.first_byte_at, status=committed.status)
+    if trace is not None:
+        tracing.upstream_ended(trace, record, committed.first_byte_at, status=committed.status)
     record.first_byte_at = committed.first_byte_at
     record.upstream_status = committed.status
     if replica.config.gpu_index is not None:
@@ -226,11 +231,14 @@ async def _relay(
     runtime: Runtime,
     record: RequestRecord,
 ) -> web.StreamResponse:
-    record.status = committed.status
+    status = record.status = committed.status
     extra = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
-    if not 200 <= committed.status < 300:
+    if not 200 <= status < 300:
         extra["X-Admission-Reason"] = "upstream_status"
         record.outcome, record.reason = "failed", "upstream_status"
+    whole = relay_whole(committed, record, extra)
+    if whole is not None:
+        return whole
     return await relay(
         request, committed, record, admitted.deadline, runtime.clock,
         idle_s=rules.config.timeouts.idle_ms / 1000.0, extra_headers=extra,

@@ -50,19 +50,48 @@ def end_to_end_headers(
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
-def _engine_ms(headers: CIMultiDictProxy[str], name: str) -> float | None:
-    value = headers.get(name)
-    if value is None:
-        return None
+def _engine_headers(headers: CIMultiDictProxy[str], record: RequestRecord) -> None:
+    """The engine's TGI-style timing (ms) and token headers, where it sends them."""
+    queue, inference = headers.get("x-queue-time"), headers.get("x-inference-time")
+    prompt, generated = headers.get("x-prompt-tokens"), headers.get("x-generated-tokens")
+    record.engine_queue_ms = _float(queue) if queue is not None else None
+    record.engine_inference_ms = _float(inference) if inference is not None else None
+    record.input_tokens = int(prompt) if prompt is not None and prompt.isdigit() else None
+    record.output_tokens = int(generated) if generated is not None and generated.isdigit() else None
+
+
+def _float(value: str) -> float | None:
     try:
         return float(value)
     except ValueError:
         return None
 
 
-def _engine_int(headers: CIMultiDictProxy[str], name: str) -> int | None:
-    value = headers.get(name)
-    return int(value) if value is not None and value.isdigit() else None
+def relay_whole(
+    committed: Committed, record: RequestRecord, extra_headers: dict[str, str]
+) -> web.Response | None:
+    """The whole answer is already here (a small non-streaming body): one plain response.
+
+    Cheaper than prepare/write/write_eof, and aiohttp sends it in one write;
+    nothing is awaited, so nothing can fail after the commit point here.
+    None when the answer is a stream or still arriving: ``relay`` takes it.
+    """
+    upstream = committed.response
+    content = upstream.content
+    if not content.is_eof() or upstream.content_type == "text/event-stream":
+        return None
+    upstream_headers = upstream.headers
+    _engine_headers(upstream_headers, record)
+    headers = end_to_end_headers(upstream_headers)
+    headers.update(extra_headers)
+    headers.popall("Content-Length", None)
+    body = committed.first_chunk + content.read_nowait()
+    committed.close()
+    if len(body) <= USAGE_SCAN_LIMIT:
+        prompt, completion = usage_from_body(body)
+        record.input_tokens = prompt or record.input_tokens
+        record.output_tokens = completion or record.output_tokens
+    return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
 
 
 async def relay(
@@ -75,22 +104,17 @@ async def relay(
     idle_s: float,
     extra_headers: dict[str, str],
 ) -> web.StreamResponse:
-    """Stream the committed upstream answer to the client.
+    """Stream the committed upstream answer to the client (``relay_whole`` first, when whole).
 
     Never raises ``ProxyError``: a failure after the commit point is recorded
     on ``record`` and ends the answer; a client that left is recorded as
     cancelled.
     """
     upstream = committed.response
+    _engine_headers(upstream.headers, record)
     headers = end_to_end_headers(upstream.headers)
     headers.update(extra_headers)
-    record.engine_queue_ms = _engine_ms(upstream.headers, "x-queue-time")
-    record.engine_inference_ms = _engine_ms(upstream.headers, "x-inference-time")
-    record.input_tokens = _engine_int(upstream.headers, "x-prompt-tokens")
-    record.output_tokens = _engine_int(upstream.headers, "x-generated-tokens")
     is_sse = upstream.content_type == "text/event-stream"
-    if not is_sse and upstream.content.is_eof():
-        return _whole(committed, headers, record)
     meter = SseMeter() if is_sse else None
     kept = bytearray() if not is_sse else None
 
@@ -123,22 +147,6 @@ async def relay(
             record.input_tokens = prompt or record.input_tokens
             record.output_tokens = completion or record.output_tokens
     return response
-
-
-def _whole(committed: Committed, headers: CIMultiDict[str], record: RequestRecord) -> web.Response:
-    """The whole answer is already here (a small non-streaming body): one plain response.
-
-    Cheaper than prepare/write/write_eof, and aiohttp sends it in one write.
-    """
-    upstream = committed.response
-    body = committed.first_chunk + upstream.content.read_nowait()
-    committed.close()
-    headers.popall("Content-Length", None)
-    if len(body) <= USAGE_SCAN_LIMIT:
-        prompt, completion = usage_from_body(body)
-        record.input_tokens = prompt or record.input_tokens
-        record.output_tokens = completion or record.output_tokens
-    return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
 
 
 async def _next_chunk(
