@@ -14,7 +14,6 @@ second response (starlette's guard, made structural).
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
@@ -26,7 +25,7 @@ from proxy.deadline import Deadline
 from proxy.errors import IdleTimeout, ProxyError, TotalTimeout, UpstreamProtocolError
 from proxy.record import RequestRecord
 from proxy.sse import SseMeter, usage_from_body
-from proxy.upstream import Committed
+from proxy.upstream import Committed, Expiry
 
 #: Headers that describe one connection, not the message (RFC 9110 section 7.6.1).
 HOP_BY_HOP = frozenset(
@@ -157,7 +156,7 @@ async def _next_chunk(
         return content.read_nowait()
     remaining = deadline.remaining(clock.now())
     try:
-        async with asyncio.timeout(min(idle_s, remaining)):
+        with Expiry(min(idle_s, remaining)):
             return await content.readany()
     except aiohttp.ClientError as exc:  # first: some of aiohttp's are TimeoutErrors too
         raise UpstreamProtocolError(f"upstream answer broke off: {type(exc).__name__}") from exc

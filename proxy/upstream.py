@@ -48,6 +48,49 @@ class UpstreamRequest:
     streaming: bool
 
 
+class Expiry:
+    """``asyncio.timeout(delay)`` as a plain context manager: same contract, less work.
+
+    Entered with ``with`` inside a task; when ``delay`` passes first, the
+    task is cancelled and the block ends in ``TimeoutError``. As in
+    ``asyncio.timeout``, a cancellation that came from elsewhere (the client
+    left) stays a ``CancelledError``: it is told apart by the task's
+    cancellation count. One of these bounds every upstream attempt, and the
+    relay arms one per streamed chunk, so it is kept to one timer handle and
+    no state machine.
+    """
+
+    __slots__ = ("_cancelling", "_delay", "_handle", "_task", "expired")
+
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
+        self.expired = False
+
+    def __enter__(self) -> Expiry:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("Expiry is used inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._handle = task.get_loop().call_later(max(0.0, self._delay), self._expire)
+        return self
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._task.cancel()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        self._handle.cancel()
+        if (
+            self.expired
+            and self._task.uncancel() <= self._cancelling
+            and exc_type is asyncio.CancelledError
+        ):
+            raise TimeoutError from exc
+
+
 @dataclass(slots=True)
 class Committed:
     """An attempt that reached its first body byte: the relay takes it from here."""
@@ -104,7 +147,7 @@ async def attempt(
     headers["X-Request-Timeout-Ms"] = deadline.remaining_ms_header(sent_at)
     response: aiohttp.ClientResponse | None = None
     try:
-        async with asyncio.timeout(max(0.0, wait_until - sent_at)):
+        with Expiry(wait_until - sent_at):
             response = await session.request(
                 request.method,
                 replica.url + request.path_qs,
