@@ -35,6 +35,10 @@ from proxy.replicas import Replica
 #: Connections the shared client session may hold open at once. aiohttp's
 #: default of 100 would silently queue requests inside the connector.
 CONNECTOR_LIMIT = 4096
+#: aiohttp adds its own ``User-Agent`` to a request without one; the client's
+#: absence of one is forwarded as is. (Asked per request, only then: a
+#: session-wide skip list costs every request about 2.5 us in aiohttp.)
+NO_USER_AGENT = ("User-Agent",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +122,6 @@ def make_session(connect_s: float) -> aiohttp.ClientSession:
         auto_decompress=False,  # bytes pass through as the replica sent them
         cookie_jar=aiohttp.DummyCookieJar(),
         raise_for_status=False,
-        skip_auto_headers=("User-Agent", "Accept-Encoding"),
     )
 
 
@@ -152,6 +155,7 @@ async def attempt(
                 request.method,
                 replica.url + request.path_qs,
                 headers=headers,
+                skip_auto_headers=None if "User-Agent" in headers else NO_USER_AGENT,
                 data=request.body if request.body else None,
                 allow_redirects=False,
             )
