@@ -15,6 +15,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from proxy.config_cli import check_config
+from proxy.loadtest.cli import add_loadtest_arguments, run_loadtest
 from proxy.settings import ConfigError, load_config
 from proxy.telemetry.logs import configure_logging
 
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a config and print it in full")
     check.add_argument("path")
+
+    add_loadtest_arguments(sub)
     return parser
 
 
@@ -59,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         return check_config(args.path)
+    if args.command == "loadtest":
+        return run_loadtest(args)
     configure_logging()
     if args.command == "serve":
         try:

@@ -10,6 +10,7 @@ summary, and exits 0 by itself. Everything runs on loopback.
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import random
 import statistics
@@ -28,6 +29,7 @@ from proxy.keys import RUNTIME
 from proxy.lifecycle import bound_port
 from proxy.settings import Config, load_config
 from proxy.sim import SimConfig, SimServer, start_sim
+from proxy.sse import has_token
 
 DEMO_CONFIG_CANDIDATES = (
     Path(__file__).resolve().parents[1] / "config" / "demo.yaml",
@@ -106,7 +108,7 @@ async def _one_request(
                 return
             if stream:
                 async for line in resp.content:
-                    if line.startswith(b"data: {") and b'"content": ""' not in line:
+                    if line.startswith(b"data: {") and has_token(json.loads(line[6:])):
                         stats.ttfts.append(time.monotonic() - started)
                         break
             await resp.read()

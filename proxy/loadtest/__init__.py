@@ -17,7 +17,7 @@ Modules, one job each:
 - ``schedule``: Poisson arrivals for the phases; pure and seeded.
 - ``timeline``: goodput, phase and tenant summaries, drain time; pure.
 - ``staircase``, ``phases``: the two runs.
-- ``report``, ``plots``, ``progress``: what the operator reads.
+- ``report``, ``phases_report``, ``plots``, ``progress``: what the operator reads.
 - ``cli``: the ``loadtest`` subcommand.
 
 Every load loop here is bounded in requests and in time and ends by itself.

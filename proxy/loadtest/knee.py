@@ -32,16 +32,19 @@ from proxy.loadtest.levels import LevelStats
 
 __all__ = [
     "DEFAULT_LINES",
+    "DEFAULT_RULES",
     "MEMORY_LIMIT",
     "MIN_RISE",
     "P99_FACTOR",
     "SLO_LINES",
+    "KneeRules",
     "Noise",
     "Step",
     "Stop",
     "StopLine",
     "Verdict",
     "decide",
+    "describe_decider",
     "find_stop",
     "next_step",
     "stop_lines",
@@ -54,6 +57,25 @@ P99_FACTOR = 2.0
 MEMORY_LIMIT = 0.90
 #: A level is still "rising" when its throughput is at least this much above the best before.
 MIN_RISE = 0.10
+
+
+@dataclass(frozen=True, slots=True)
+class KneeRules:
+    """The thresholds, and the operator's switches: an SLO, and the memory line.
+
+    ``memory_line`` is off when memory was already over the limit before any
+    load (an engine that preallocates, as vLLM does with 90% of the GPU): the
+    line would then trip at every level and say nothing about concurrency.
+    """
+
+    p99_slo_ms: float | None = None
+    memory_line: bool = True
+    p99_factor: float = P99_FACTOR
+    memory_limit: float = MEMORY_LIMIT
+    min_rise: float = MIN_RISE
+
+
+DEFAULT_RULES = KneeRules()
 
 
 class StopLine(StrEnum):
@@ -140,18 +162,20 @@ class Verdict:
 
 
 def stop_lines(
-    level: LevelStats, baseline_p99_ms: float | None, *, p99_slo_ms: float | None = None
+    level: LevelStats, baseline_p99_ms: float | None, rules: KneeRules = DEFAULT_RULES
 ) -> frozenset[StopLine]:
     """Every stop line that holds for one measured run."""
     lines: set[StopLine] = set()
     p99 = level.latency_p99_ms
-    if p99 is not None and baseline_p99_ms is not None and p99 > P99_FACTOR * baseline_p99_ms:
+    doubled = None if baseline_p99_ms is None else rules.p99_factor * baseline_p99_ms
+    if p99 is not None and doubled is not None and p99 > doubled:
         lines.add(StopLine.P99)
-    if p99 is not None and p99_slo_ms is not None and p99 > p99_slo_ms:
+    if p99 is not None and rules.p99_slo_ms is not None and p99 > rules.p99_slo_ms:
         lines.add(StopLine.P99_SLO)
     if level.error_count > 0:
         lines.add(StopLine.ERRORS)
-    if level.memory_ratio is not None and level.memory_ratio > MEMORY_LIMIT:
+    memory = level.memory_ratio
+    if rules.memory_line and memory is not None and memory > rules.memory_limit:
         lines.add(StopLine.MEMORY)
     return frozenset(lines)
 
@@ -175,8 +199,7 @@ def _ordered(lines: Iterable[StopLine]) -> tuple[StopLine, ...]:
 def find_stop(
     levels: Sequence[LevelStats],
     considered: frozenset[StopLine] = DEFAULT_LINES,
-    *,
-    p99_slo_ms: float | None = None,
+    rules: KneeRules = DEFAULT_RULES,
 ) -> tuple[Stop | None, int | None, tuple[Noise, ...]]:
     """The first confirmed stop, the limit it sets, and the trips that did not count."""
     baseline = _baseline(levels)
@@ -184,7 +207,7 @@ def find_stop(
     noise: list[Noise] = []
 
     def lines(level: LevelStats) -> frozenset[StopLine]:
-        return stop_lines(level, baseline, p99_slo_ms=p99_slo_ms) & considered
+        return stop_lines(level, baseline, rules) & considered
 
     for i, (concurrency, runs) in enumerate(grouped):
         first = lines(runs[0])
@@ -215,22 +238,24 @@ def _throughput_metric(levels: Sequence[LevelStats]) -> str:
     return "requests_per_s"
 
 
-def throughput_knee(levels: Sequence[LevelStats]) -> tuple[int | None, str]:
-    """The last level that rose ``MIN_RISE`` over the best before it, error-free."""
+def throughput_knee(
+    levels: Sequence[LevelStats], rules: KneeRules = DEFAULT_RULES
+) -> tuple[int | None, str]:
+    """The last level that rose ``min_rise`` over the best before it, error-free."""
     metric = _throughput_metric(levels)
     knee: int | None = None
     best: float | None = None
     for concurrency, runs in _runs_by_level(levels):
         level = runs[-1]  # a re-run is the confirming measurement
         value = float(getattr(level, metric))
-        rising = best is None or value >= best * (1.0 + MIN_RISE)
+        rising = best is None or value >= best * (1.0 + rules.min_rise)
         if rising and level.error_count == 0 and level.ok > 0:
             knee = concurrency
         best = value if best is None else max(best, value)
     return knee, metric
 
 
-def next_step(levels: Sequence[LevelStats], *, p99_slo_ms: float | None = None) -> Step:
+def next_step(levels: Sequence[LevelStats], rules: KneeRules = DEFAULT_RULES) -> Step:
     """After the last row: stop (every line set confirmed), re-run it, or go on.
 
     A run that trips a line not yet confirmed is re-run once at the same
@@ -240,13 +265,13 @@ def next_step(levels: Sequence[LevelStats], *, p99_slo_ms: float | None = None) 
     """
     if not levels:
         return Step.NEXT
-    line_sets = [DEFAULT_LINES] if p99_slo_ms is None else [DEFAULT_LINES, SLO_LINES]
-    open_sets = [s for s in line_sets if find_stop(levels, s, p99_slo_ms=p99_slo_ms)[0] is None]
+    line_sets = [DEFAULT_LINES] if rules.p99_slo_ms is None else [DEFAULT_LINES, SLO_LINES]
+    open_sets = [s for s in line_sets if find_stop(levels, s, rules)[0] is None]
     if not open_sets:
         return Step.STOP
     last = levels[-1]
     considered = frozenset().union(*open_sets)
-    tripped = stop_lines(last, _baseline(levels), p99_slo_ms=p99_slo_ms) & considered
+    tripped = stop_lines(last, _baseline(levels), rules) & considered
     if tripped and last.run == 1:
         return Step.RERUN
     return Step.NEXT
@@ -257,13 +282,18 @@ def _describe_stop(stop: Stop | None, limit: int | None) -> str:
         return f"no stop line confirmed up to {limit}"
     lines = ", ".join(str(line) for line in stop.lines)
     by = "a re-run" if stop.confirmed_by == "rerun" else "the next level"
-    return f"{lines} at {stop.concurrency} (confirmed by {by})"
+    return f"{lines} at {stop.concurrency}, confirmed by {by}"
 
 
-def decide(levels: Sequence[LevelStats], *, p99_slo_ms: float | None = None) -> Verdict:
+def describe_decider(decided_by: str) -> str:
+    """``throughput_knee+latency_limit`` as words: ``throughput knee and latency limit``."""
+    return decided_by.replace("+", " and ").replace("_", " ").replace("p99 slo", "p99 SLO")
+
+
+def decide(levels: Sequence[LevelStats], rules: KneeRules = DEFAULT_RULES) -> Verdict:
     """Knee, latency limit and the recommended ``max_concurrency`` for a level table."""
-    knee, metric = throughput_knee(levels)
-    stop, limit, noise = find_stop(levels, DEFAULT_LINES)
+    knee, metric = throughput_knee(levels, rules)
+    stop, limit, noise = find_stop(levels, DEFAULT_LINES, rules)
     notes: list[str] = []
     if stop is None and levels:
         notes.append(
@@ -274,8 +304,11 @@ def decide(levels: Sequence[LevelStats], *, p99_slo_ms: float | None = None) -> 
     )
     slo_limit: int | None = None
     slo_stop: Stop | None = None
+    if not rules.memory_line:
+        notes.append("memory line off: memory was over the limit before any load")
+    p99_slo_ms = rules.p99_slo_ms
     if p99_slo_ms is not None:
-        slo_stop, slo_limit, slo_noise = find_stop(levels, SLO_LINES, p99_slo_ms=p99_slo_ms)
+        slo_stop, slo_limit, slo_noise = find_stop(levels, SLO_LINES, rules)
         noise = tuple(dict.fromkeys((*noise, *slo_noise)))
         recommended = slo_limit
         decided_by: str | None = "p99_slo" if slo_limit is not None else None
@@ -294,9 +327,9 @@ def decide(levels: Sequence[LevelStats], *, p99_slo_ms: float | None = None) -> 
         explanation = (
             f"{knee_text}; latency limit {limit} ({_describe_stop(stop, limit)}); "
             f"recommended {recommended}"
-            + (f", set by {decided_by.replace('+', ' and ')}" if decided_by else "")
+            + (f", set by the {describe_decider(decided_by)}" if decided_by else "")
         )
-    if recommended is None:
+    if recommended is None and levels:
         notes.append("no level is safe to recommend: the first level already failed a stop line")
     return Verdict(
         throughput_knee=knee,

@@ -1,0 +1,202 @@
+"""Reading the target's Prometheus ``/metrics`` while the load runs.
+
+Owns ``parse_metrics`` (text to a ``MetricsSample``: pure) and
+``MetricsSampler`` (a bounded background scrape on an interval). What is
+read, by the names of DESIGN section 7 and the engines' own:
+
+- queue depth: the proxy's ``admission_queue_depth{tenant,priority}``; against
+  a bare engine, its waiting queue (``vllm:num_requests_waiting``);
+- retries: ``admission_retries_total{reason}`` and
+  ``admission_retry_budget_exhausted_total`` (counters: reports use deltas);
+- memory: the engine's KV-cache usage (``vllm:kv_cache_usage_perc``, older
+  vLLM's ``vllm:gpu_cache_usage_perc``, SGLang's ``sglang:token_usage``),
+  else the proxy's NVML ``admission_gpu_memory_used_ratio`` (the highest GPU).
+
+A failed scrape is skipped, never fatal: the load test's answer must not
+depend on whether the target exports metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["MetricsSample", "MetricsSampler", "parse_metrics", "scrape_once"]
+
+#: Engine KV-cache gauges (0..1), in order of preference.
+KV_CACHE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+GPU_MEMORY_METRIC = "admission_gpu_memory_used_ratio"
+#: Longest a single scrape may take; a slower one is skipped.
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSample:
+    """One scrape, at ``t`` seconds on the run's clock."""
+
+    t: float
+    queue_depth: Mapping[str, float] = field(default_factory=dict)
+    engine_waiting: float | None = None
+    replica_inflight: float | None = None
+    retries: Mapping[str, float] = field(default_factory=dict)
+    retry_budget_exhausted: float | None = None
+    memory_ratio: float | None = None
+    memory_source: str | None = None
+
+    @property
+    def total_depth(self) -> float | None:
+        """Requests waiting in the proxy's queues; a bare engine's waiting queue otherwise."""
+        if self.queue_depth:
+            return sum(self.queue_depth.values())
+        return self.engine_waiting
+
+    @property
+    def total_retries(self) -> float:
+        return sum(self.retries.values())
+
+
+def parse_metrics(text: str, t: float) -> MetricsSample:
+    """The figures the load tests use from one Prometheus text exposition."""
+    depth: dict[str, float] = {}
+    retries: dict[str, float] = {}
+    kv: dict[str, float] = {}
+    gpu_memory: list[float] = []
+    waiting: list[float] = []
+    inflight: list[float] = []
+    exhausted: float | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, float(sample.value)
+            if name == "admission_queue_depth":
+                key = f"{labels.get('tenant', '')}/{labels.get('priority', '')}"
+                depth[key] = depth.get(key, 0.0) + value
+            elif name == "admission_retries_total":
+                reason = labels.get("reason", "")
+                retries[reason] = retries.get(reason, 0.0) + value
+            elif name == "admission_retry_budget_exhausted_total":
+                exhausted = (exhausted or 0.0) + value
+            elif name == "admission_replica_inflight":
+                inflight.append(value)
+            elif name == GPU_MEMORY_METRIC:
+                gpu_memory.append(value)
+            elif name == "vllm:num_requests_waiting":
+                waiting.append(value)
+            elif name in KV_CACHE_METRICS:
+                kv[name] = max(kv.get(name, 0.0), value)
+    memory_ratio: float | None = None
+    memory_source: str | None = None
+    for name in KV_CACHE_METRICS:
+        if name in kv:
+            memory_ratio, memory_source = kv[name], "kv_cache"
+            break
+    else:
+        if gpu_memory:
+            memory_ratio, memory_source = max(gpu_memory), "gpu_memory"
+    return MetricsSample(
+        t=t,
+        queue_depth=depth,
+        engine_waiting=sum(waiting) if waiting else None,
+        replica_inflight=sum(inflight) if inflight else None,
+        retries=retries,
+        retry_budget_exhausted=exhausted,
+        memory_ratio=memory_ratio,
+        memory_source=memory_source,
+    )
+
+
+async def scrape_once(
+    session: aiohttp.ClientSession, url: str, zero: float
+) -> MetricsSample | None:
+    """One scrape, or None when the target has no usable ``/metrics`` right now."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
+    try:
+        return parse_metrics(text, time.perf_counter() - zero)
+    except ValueError:  # not Prometheus text
+        return None
+
+
+class MetricsSampler:
+    """Scrapes ``url`` every ``interval_s`` into ``samples`` until the context exits.
+
+    It uses its own one-connection session, so scrapes never queue behind the
+    load's connections (and never count as load). With ``url`` None it does
+    nothing, so callers need no second code path when scraping is off.
+    """
+
+    __slots__ = ("_interval_s", "_session", "_task", "_url", "_zero", "failures", "samples")
+
+    def __init__(self, url: str | None, zero: float, interval_s: float) -> None:
+        self._url = url
+        self._zero = zero
+        self._interval_s = interval_s
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.samples: list[MetricsSample] = []
+        self.failures = 0
+
+    async def __aenter__(self) -> MetricsSampler:
+        if self._url is None:
+            return self
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1), cookie_jar=aiohttp.DummyCookieJar()
+        )
+        self._task = asyncio.create_task(self._run(), name="loadtest-metrics")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def scrape_now(self) -> MetricsSample | None:
+        """One extra scrape right now (a phase boundary), recorded with the others."""
+        if self._session is None or self._url is None:
+            return None
+        sample = await scrape_once(self._session, self._url, self._zero)
+        if sample is None:
+            self.failures += 1
+        else:
+            self.samples.append(sample)
+        return sample
+
+    async def _run(self) -> None:
+        while True:
+            await self.scrape_now()
+            await asyncio.sleep(self._interval_s)
+
+    @property
+    def latest(self) -> MetricsSample | None:
+        return self.samples[-1] if self.samples else None
+
+    def peak_memory(self, start: float, end: float) -> tuple[float, str] | None:
+        """Highest memory ratio scraped in [start, end], with its source."""
+        readings = [
+            (s.memory_ratio, s.memory_source)
+            for s in self.samples
+            if start <= s.t <= end and s.memory_ratio is not None and s.memory_source
+        ]
+        if not readings:
+            return None
+        ratio, source = max(readings, key=lambda reading: reading[0] or 0.0)
+        return (ratio or 0.0), source or ""
+
+    def __repr__(self) -> str:
+        return f"<MetricsSampler {self._url} {len(self.samples)} samples, {self.failures} failed>"
