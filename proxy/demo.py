@@ -10,8 +10,8 @@ summary, and exits 0 by itself. Everything runs on loopback.
 from __future__ import annotations
 
 import asyncio
-import json
 import contextlib
+import json
 import random
 import statistics
 import sys
