@@ -296,7 +296,8 @@ class Dispatcher:
     # -- internals ---------------------------------------------------------------------
 
     def _at_cap(self, tenant: str) -> bool:
-        cap = self.limits_for(tenant).max_concurrency
+        limits = self._limits.get(tenant)  # an unknown tenant has no cap (``limits_for``)
+        cap = limits.max_concurrency if limits is not None else None
         return cap is not None and self._inflight.get(tenant, 0) >= cap
 
     def _replica_for_immediate_start(self, tenant: str) -> Replica | None:
