@@ -1,0 +1,769 @@
+"""Fairness benchmark (issue 3, DESIGN section 12): noisy neighbour and priority isolation.
+
+End to end on the simulator: two simulated replicas (``admission-proxy sim``)
+with the same seats in every scenario, this proxy (``admission-proxy serve``,
+a fresh process per scenario, one config for all), and open-loop Poisson
+flows of streamed chat requests whose TTFT is measured at the client. Rates
+are fractions of the fleet's capacity, measured at the start of the run.
+
+Scenarios, each ``--seconds`` long after a warm-up:
+
+noisy neighbour (two ``standard`` tenants of equal weight)
+  1. the victim alone, at ``VICTIM_LOAD`` of capacity;
+  2. the victim next to a well-behaved neighbour at the victim's own rate;
+  3. the victim next to an aggressor at ten times the victim's rate;
+  4. scenario 3 sent straight to the replicas (random choice), no proxy.
+
+priority isolation (an ``interactive`` tenant and a ``batch`` tenant)
+  5. interactive at the victim's rate next to batch at the same modest rate;
+  6. the same interactive flow next to a batch flood at ten times that rate;
+  7. scenario 6 without the proxy;
+  8. both classes backlogged (interactive offering more than the whole
+     fleet, batch flooding): batch's share of the served tokens against its
+     weighted share, 1 / (8 + 1) with the default class weights.
+
+Targets (DESIGN section 12): the victim's p99 TTFT next to the aggressor over
+its p99 next to the well-behaved neighbour at most 1.2 (the issue's "against
+the victim alone" is reported beside it), the victim's SLO attainment at
+least 99%; likewise interactive with and without the flood; batch at least
+90% of its weighted share. Each p99 ratio comes with a bootstrap interval.
+
+To tell the scheduler's part from the fleet's, the protected flow's queue
+wait is split with the proxy's access log (``bench.fairness_accesslog``):
+the wait for the first seat to free after it arrived, which no ordering can
+avoid while the aggressor keeps every seat busy (the proxy never preempts),
+and the tickets of other tenants dispatched ahead of it. "If always first in
+line" re-computes its p99 with only the first part: what a perfect ordering
+could reach on this fleet. The load generator's lateness and every
+process's CPU time are kept in the JSON as the noise check.
+
+    .venv/bin/python -m bench.fairness [--seconds N] [--quick] [--victim-load F]
+        [--only SCENARIO ...] [--output PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import uvloop
+import yaml
+
+from bench.fairness_accesslog import Wait, waits
+from bench.fairness_accesslog import read as read_access_log
+from bench.fairness_report import (
+    Figure,
+    FlowStats,
+    Slo,
+    WaitSplit,
+    due_in,
+    figure_table,
+    flow_stats,
+    flow_table,
+    ideal_ttfts,
+    p99_ratio,
+    ttft_all,
+    value_p99_ratio,
+    wait_split,
+    wait_table,
+)
+from bench.fairness_servers import Fleet, wait_ready, wait_sims_idle
+from bench.fairness_traffic import PATH, Flow, Result, Shape, drive, send
+from proxy.settings import ConfigError, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "fairness.json"
+
+# -- the fleet: the same seats in every scenario ----------------------------------------
+
+REPLICAS = 2
+#: Engine slots per replica, and the proxy's ``max_concurrency`` for it: equal,
+#: so the proxy, not the engine, does the queueing.
+SLOTS = 4
+#: The simulator's defaults, written out: a 10 ms decode step plus 1.5 ms per
+#: running sequence, prefill at 0.05 ms per prompt token.
+SIM_ARGS = ("--decode-base-ms", "10", "--decode-per-seq-ms", "1.5",
+            "--prefill-ms-per-token", "0.05")  # fmt: skip
+#: Every flow draws from the same sizes: 30 to 120 prompt tokens, 8 to 24 out.
+SHAPE = Shape(prompt_words=(20, 80), max_tokens=(8, 24))
+
+# -- the traffic ------------------------------------------------------------------------
+
+#: The victim's (and interactive's) rate as a share of measured capacity; its
+#: well-behaved neighbour sends as much again, so that baseline runs at 60%.
+VICTIM_LOAD = 0.3
+AGGRESSOR_FACTOR = 10.0
+#: Interactive's rate in the both-backlogged scenario, as a share of capacity:
+#: above its 8/9 share, so its queue never empties.
+BACKLOGGED_INTERACTIVE_LOAD = 1.5
+CLASS_WEIGHTS = {"interactive": 8, "standard": 3, "batch": 1}
+
+#: The victim's SLO, met with room to spare alone: TTFT about 7x its p99 alone
+#: (about 35 ms on this fleet), total about 6x (about 0.33 s).
+SLO = Slo(ttft_ms=250.0, total_ms=2000.0)
+
+# -- targets ----------------------------------------------------------------------------
+
+MAX_P99_RATIO = 1.2
+MIN_ATTAINMENT = 0.99
+MIN_SHARE_OF_WEIGHTED = 0.9
+
+# -- timing -----------------------------------------------------------------------------
+
+DEFAULT_SECONDS = 15.0
+WARMUP_S = 2.0
+QUICK_SECONDS = 2.0
+QUICK_WARMUP_S = 1.0
+#: After the last arrival, open requests get this long, then are cut (``unfinished``).
+DRAIN_S = 5.0
+QUICK_DRAIN_S = 1.0
+#: Each request's own client timeout: longer than any queue budget plus service.
+CLIENT_TIMEOUT_S = 10.0
+CALIBRATE_WARMUP_S = 1.0
+CALIBRATE_S = 3.0
+QUICK_CALIBRATE_S = 1.0
+STATE_SAMPLE_S = 0.1
+#: Load-generator connections: open-loop requests must never wait for one.
+CONNECTIONS = 4096
+
+# -- tenants (one proxy config for every scenario) --------------------------------------
+
+KEYS = {
+    "victim": "sk-fair-victim",
+    "other": "sk-fair-other",
+    "chat": "sk-fair-chat",
+    "bulk": "sk-fair-bulk",
+}
+QUEUE_CAPACITY = 64
+QUEUE_MS = 2000
+BATCH_QUEUE_MS = 5000
+
+
+def proxy_config(sim_urls: Sequence[str]) -> str:
+    """The proxy's YAML: both replicas at ``SLOTS`` seats, four tenants."""
+    tenant = {"weight": 1, "queue_capacity": QUEUE_CAPACITY}
+    document = {
+        "server": {"host": "127.0.0.1"},
+        "replicas": [
+            {"name": f"sim-{i}", "url": url, "max_concurrency": SLOTS}
+            for i, url in enumerate(sim_urls)
+        ],
+        "budgets": {"queue_ms": QUEUE_MS, "first_byte_ms": 10_000, "total_ms": 30_000},
+        "priorities": {name: {"weight": w} for name, w in CLASS_WEIGHTS.items()},
+        "tenants": {
+            # Equal in everything: the neighbour and the aggressor are the same tenant.
+            "victim": {**tenant, "api_keys": [KEYS["victim"]], "priority": "standard"},
+            "other": {**tenant, "api_keys": [KEYS["other"]], "priority": "standard"},
+            "chat": {**tenant, "api_keys": [KEYS["chat"]], "priority": "interactive"},
+            "bulk": {**tenant, "api_keys": [KEYS["bulk"]], "priority": "batch",
+                     "budgets": {"queue_ms": BATCH_QUEUE_MS}},
+        },
+    }  # fmt: skip
+    text = yaml.safe_dump(document, sort_keys=False)
+    parse_config(text)  # a bad config fails here, not as a proxy that never gets ready
+    return text
+
+
+# -- scenarios --------------------------------------------------------------------------
+
+
+SCENARIO_KEYS = ("alone", "neighbour", "aggressor", "aggressor-direct",
+                 "batch-modest", "batch-flood", "batch-flood-direct", "backlogged")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    key: str
+    group: str
+    title: str
+    via_proxy: bool
+    flows: tuple[Flow, ...]
+    #: The flow whose queue wait is split with the access log (the victim, interactive).
+    protected: str | None = None
+    #: Sample the proxy's queues (``/admin/state``) to show both classes stayed backlogged.
+    sample_queues: bool = False
+
+
+def scenarios(capacity_rps: float, victim_load: float = VICTIM_LOAD) -> list[Scenario]:
+    base = victim_load * capacity_rps
+    flood = AGGRESSOR_FACTOR * base
+    victim = Flow("victim", "victim", KEYS["victim"], base)
+    neighbour = Flow("neighbour", "other", KEYS["other"], base)
+    aggressor = Flow("aggressor", "other", KEYS["other"], flood)
+    interactive = Flow("interactive", "chat", KEYS["chat"], base)
+    batch = Flow("batch", "bulk", KEYS["bulk"], base)
+    batch_flood = Flow("batch-flood", "bulk", KEYS["bulk"], flood)
+    backlogged = Flow(
+        "interactive-flood", "chat", KEYS["chat"], BACKLOGGED_INTERACTIVE_LOAD * capacity_rps
+    )
+    nn, pi = "noisy neighbour", "priority isolation"
+    return [
+        Scenario("alone", nn, "victim alone", True, (victim,), protected="victim"),
+        Scenario("neighbour", nn, "next to a well-behaved neighbour", True,
+                 (victim, neighbour), protected="victim"),
+        Scenario("aggressor", nn, "next to a 10x aggressor", True,
+                 (victim, aggressor), protected="victim"),
+        Scenario("aggressor-direct", nn, "10x aggressor, no proxy", False,
+                 (victim, aggressor)),
+        Scenario("batch-modest", pi, "batch at a modest rate", True,
+                 (interactive, batch), protected="interactive"),
+        Scenario("batch-flood", pi, "batch flood", True,
+                 (interactive, batch_flood), protected="interactive"),
+        Scenario("batch-flood-direct", pi, "batch flood, no proxy", False,
+                 (interactive, batch_flood)),
+        Scenario("backlogged", pi, "both classes backlogged", True,
+                 (backlogged, batch_flood), sample_queues=True),
+    ]  # fmt: skip
+
+
+# -- measuring --------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU of a process (``/proc/<pid>/stat``); 0 where unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+@dataclass(slots=True)
+class Capacity:
+    """The fleet's throughput with every seat busy, measured straight at the replicas."""
+
+    rps: float
+    service_ms: float
+    seats: int
+
+    @property
+    def seat_free_interval_ms(self) -> float:
+        """Mean time between two seats freeing up while the fleet is saturated."""
+        return 1000.0 / self.rps
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """How long each part of the run lasts (full or ``--quick``)."""
+
+    warmup_s: float
+    seconds: float
+    drain_s: float
+    calibrate_s: float
+
+
+async def calibrate(
+    session: aiohttp.ClientSession, sim_urls: Sequence[str], seconds: float
+) -> Capacity:
+    """``SLOTS`` closed-loop clients per replica, pinned, for ``seconds`` after a warm-up."""
+    t0 = time.perf_counter()
+    stop_at = t0 + CALIBRATE_WARMUP_S + seconds
+    done: list[Result] = []
+    headers = {"Content-Type": "application/json"}
+
+    async def client(url: str, seed: int) -> None:
+        rng = random.Random(f"calibrate:{seed}")
+        while time.perf_counter() < stop_at:
+            body, prompt, output = SHAPE.draw(rng)
+            result = Result("calibration", "", time.perf_counter() - t0, prompt, output)
+            await send(session, url + PATH, headers, body, result, t0)
+            if not result.ok:
+                raise RuntimeError(f"calibration request failed: {result.reason}")
+            done.append(result)
+
+    await asyncio.gather(
+        *(client(url, i * SLOTS + j) for i, url in enumerate(sim_urls) for j in range(SLOTS))
+    )
+    window = [r for r in done if r.due_s >= CALIBRATE_WARMUP_S and r.total_s is not None]
+    ended = [
+        r for r in done
+        if r.total_s is not None and CALIBRATE_WARMUP_S <= r.due_s + r.total_s < stop_at - t0
+    ]  # fmt: skip
+    service = sum(r.total_s for r in window if r.total_s is not None) / max(1, len(window))
+    return Capacity(
+        rps=round(len(ended) / seconds, 2),
+        service_ms=round(service * 1000.0, 1),
+        seats=SLOTS * len(sim_urls),
+    )
+
+
+@dataclass(slots=True)
+class Run:
+    """One scenario's raw results and the context needed to judge them."""
+
+    scenario: Scenario
+    results: dict[str, list[Result]]
+    window: tuple[float, float]
+    cpu_s: dict[str, float]
+    elapsed_s: float
+    #: The machine's 1-minute load average at the end: other work running beside us.
+    load_avg: float
+    #: ``(seconds, queued per tenant)`` samples of the proxy's queues.
+    queue_samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    #: The protected flow's queue waits, split (request id to ``Wait``).
+    waits: dict[str, Wait] = field(default_factory=dict)
+
+
+async def _sample_queues(
+    session: aiohttp.ClientSession, url: str, out: list[tuple[float, dict[str, int]]], t0: float
+) -> None:
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, ValueError):
+            async with session.get(url + "/admin/state") as response:
+                state = await response.json()
+            queued = {name: int(t["queued"]) for name, t in state["tenants"].items()}
+            out.append((time.perf_counter() - t0, queued))
+        await asyncio.sleep(STATE_SAMPLE_S)
+
+
+async def run_scenario(
+    fleet: Fleet,
+    control: aiohttp.ClientSession,
+    load: aiohttp.ClientSession,
+    scenario: Scenario,
+    config_yaml: str,
+    timing: Timing,
+) -> Run:
+    targets = [sim.url for sim in fleet.sims]
+    if scenario.via_proxy:
+        proxy = await fleet.start_proxy(config_yaml)
+        await wait_ready(control, proxy, "/readyz")
+        targets = [proxy.url]
+    pids = {f"sim-{i}": sim.process.pid for i, sim in enumerate(fleet.sims)}
+    if fleet.proxy is not None:
+        pids["proxy"] = fleet.proxy.process.pid
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": _own_cpu()}
+    samples: list[tuple[float, dict[str, int]]] = []
+    sampler: asyncio.Task[None] | None = None
+    t0 = time.perf_counter()
+    if scenario.sample_queues and fleet.proxy is not None:
+        sampler = asyncio.create_task(_sample_queues(control, fleet.proxy.url, samples, t0))
+    try:
+        results = await drive(
+            load, scenario.flows, targets, SHAPE, timing.warmup_s + timing.seconds, timing.drain_s
+        )
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+        after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": _own_cpu()}
+        access_log = fleet.stop_proxy()
+    elapsed = time.perf_counter() - t0
+    await wait_sims_idle(control, fleet.sims)
+    by_flow: dict[str, list[Result]] = {flow.name: [] for flow in scenario.flows}
+    for result in results:
+        by_flow[result.flow].append(result)
+    window = (timing.warmup_s, timing.warmup_s + timing.seconds)
+    split: dict[str, Wait] = {}
+    if scenario.protected is not None and access_log is not None:
+        measured = due_in(by_flow[scenario.protected], *window)
+        split = waits(read_access_log(access_log), [r.request_id for r in measured])
+    return Run(
+        scenario=scenario,
+        results=by_flow,
+        window=window,
+        cpu_s={name: round(after[name] - before[name], 2) for name in before},
+        elapsed_s=round(elapsed, 1),
+        load_avg=round(os.getloadavg()[0], 2),
+        queue_samples=[(t, q) for t, q in samples if window[0] <= t < window[1]],
+        waits=split,
+    )
+
+
+async def bench(
+    args: argparse.Namespace, timing: Timing, workdir: Path
+) -> tuple[Capacity, list[Run]]:
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=CONNECTIONS, limit_per_host=0)
+    with Fleet(workdir) as fleet:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as control,
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as load,
+        ):
+            sim_args = ["--slots", str(SLOTS), *SIM_ARGS]
+            sims = await fleet.start_sims(REPLICAS, sim_args)
+            for sim in sims:
+                await wait_ready(control, sim, "/health")
+            urls = [sim.url for sim in sims]
+            capacity = await calibrate(load, urls, timing.calibrate_s)
+            print(
+                f"capacity: {capacity.rps:.1f} req/s with {capacity.seats} seats "
+                f"(mean service {capacity.service_ms:.0f} ms; a seat frees every "
+                f"{capacity.seat_free_interval_ms:.0f} ms when saturated)",
+                flush=True,
+            )
+            await wait_sims_idle(control, sims)
+            config_yaml = proxy_config(urls)
+            runs: list[Run] = []
+            for scenario in scenarios(capacity.rps, args.victim_load):
+                if args.only and scenario.key not in args.only:
+                    continue
+                run = await run_scenario(fleet, control, load, scenario, config_yaml, timing)
+                runs.append(run)
+                print(_progress_line(run), flush=True)
+    return capacity, runs
+
+
+def _progress_line(run: Run) -> str:
+    parts = []
+    for name, results in run.results.items():
+        measured = due_in(results, *run.window)
+        ok = sum(r.ok for r in measured)
+        parts.append(f"{name} {ok}/{len(measured)} ok")
+    cpu = sum(run.cpu_s.values()) / run.elapsed_s
+    return (
+        f"  {run.scenario.group}: {run.scenario.title:<34} {', '.join(parts)}"
+        f"  ({run.elapsed_s:.0f} s, {cpu:.2f} CPUs busy with us, load avg {run.load_avg:.1f})"
+    )
+
+
+# -- figures ----------------------------------------------------------------------------
+
+
+def _stats(run: Run) -> dict[str, FlowStats]:
+    return {
+        flow.name: flow_stats(flow, run.results[flow.name], SLO, run.window)
+        for flow in run.scenario.flows
+    }
+
+
+def _split(run: Run) -> WaitSplit:
+    flow = run.scenario.protected
+    assert flow is not None
+    return wait_split(flow, _measured(run, flow), run.waits)
+
+
+def _measured(run: Run, flow: str) -> list[Result]:
+    return due_in(run.results[flow], *run.window)
+
+
+def _ratio_figure(name: str, top: Run, bottom: Run, flow: str, *, judged: bool) -> Figure:
+    value, low, high = p99_ratio(_measured(top, flow), _measured(bottom, flow))
+    target = f"<= {MAX_P99_RATIO}" if judged else f"(reported; <= {MAX_P99_RATIO} would pass)"
+    return Figure(name, value, target, value <= MAX_P99_RATIO if judged else None,
+                  interval=(low, high))  # fmt: skip
+
+
+def _ideal_figure(name: str, top: Run, bottom: Run, flow: str) -> Figure:
+    """What ordering alone could reach: ``top``'s waits cut to the first free seat."""
+    value, low, high = value_p99_ratio(
+        ideal_ttfts(_measured(top, flow), top.waits), ttft_all(_measured(bottom, flow))
+    )
+    return Figure(name, value, f"(reported; <= {MAX_P99_RATIO} would pass)", None,
+                  interval=(low, high))  # fmt: skip
+
+
+def _attainment_figure(name: str, stats: FlowStats, *, judged: bool) -> Figure:
+    value = stats.slo_attainment if stats.slo_attainment is not None else float("nan")
+    target = f">= {MIN_ATTAINMENT:.0%}" if judged else "(contrast)"
+    return Figure(name, value, target, value >= MIN_ATTAINMENT if judged else None, unit="%")
+
+
+def noisy_neighbour_figures(runs: dict[str, Run]) -> list[Figure]:
+    figures: list[Figure] = []
+    if "aggressor" in runs and "neighbour" in runs:
+        figures.append(_ratio_figure(
+            "victim p99 TTFT: next to the 10x aggressor / next to a well-behaved neighbour",
+            runs["aggressor"], runs["neighbour"], "victim", judged=True,
+        ))  # fmt: skip
+    if "aggressor" in runs:
+        figures.append(_attainment_figure(
+            "victim SLO attainment next to the aggressor", _stats(runs["aggressor"])["victim"],
+            judged=True,
+        ))  # fmt: skip
+    if "aggressor" in runs and "neighbour" in runs and runs["aggressor"].waits:
+        figures.append(_ideal_figure(
+            "the same, had the victim always been first in line (estimate from the access log)",
+            runs["aggressor"], runs["neighbour"], "victim",
+        ))  # fmt: skip
+    if "aggressor" in runs and "alone" in runs:
+        figures.append(_ratio_figure(
+            "victim p99 TTFT: next to the aggressor / alone (the issue's baseline)",
+            runs["aggressor"], runs["alone"], "victim", judged=False,
+        ))  # fmt: skip
+    if "neighbour" in runs and "alone" in runs:
+        figures.append(_ratio_figure(
+            "victim p99 TTFT: next to the neighbour / alone (what any neighbour costs)",
+            runs["neighbour"], runs["alone"], "victim", judged=False,
+        ))  # fmt: skip
+    if "aggressor-direct" in runs and "neighbour" in runs:
+        figures.append(_ratio_figure(
+            "no proxy: victim p99 TTFT next to the aggressor / next to the neighbour (proxied)",
+            runs["aggressor-direct"], runs["neighbour"], "victim", judged=False,
+        ))  # fmt: skip
+    if "aggressor-direct" in runs:
+        figures.append(_attainment_figure(
+            "no proxy: victim SLO attainment next to the aggressor",
+            _stats(runs["aggressor-direct"])["victim"], judged=False,
+        ))  # fmt: skip
+    return figures
+
+
+def weighted_batch_share() -> float:
+    return CLASS_WEIGHTS["batch"] / (CLASS_WEIGHTS["batch"] + CLASS_WEIGHTS["interactive"])
+
+
+def batch_share(run: Run) -> dict[str, float]:
+    """Batch's share of the tokens (and requests) whose first token came in the window."""
+    stats = _stats(run)
+    batch, interactive = stats["batch-flood"], stats["interactive-flood"]
+    tokens = batch.served_tokens_per_s + interactive.served_tokens_per_s
+    requests = batch.served_rps + interactive.served_rps
+    both = sum(1 for _, q in run.queue_samples if q.get("chat", 0) and q.get("bulk", 0))
+    return {
+        "token_share": batch.served_tokens_per_s / tokens if tokens else float("nan"),
+        "request_share": batch.served_rps / requests if requests else float("nan"),
+        "both_backlogged_share": both / len(run.queue_samples) if run.queue_samples else 0.0,
+        "queue_samples": len(run.queue_samples),
+    }
+
+
+def priority_figures(runs: dict[str, Run]) -> list[Figure]:
+    figures: list[Figure] = []
+    if "batch-flood" in runs and "batch-modest" in runs:
+        figures.append(_ratio_figure(
+            "interactive p99 TTFT: with the batch flood / with batch at a modest rate",
+            runs["batch-flood"], runs["batch-modest"], "interactive", judged=True,
+        ))  # fmt: skip
+    if "batch-flood" in runs and "batch-modest" in runs and runs["batch-flood"].waits:
+        figures.append(_ideal_figure(
+            "the same, had interactive always been first in line (estimate from the access log)",
+            runs["batch-flood"], runs["batch-modest"], "interactive",
+        ))  # fmt: skip
+    if "batch-flood" in runs:
+        figures.append(_attainment_figure(
+            "interactive SLO attainment with the batch flood",
+            _stats(runs["batch-flood"])["interactive"], judged=True,
+        ))  # fmt: skip
+    if "backlogged" in runs:
+        share = batch_share(runs["backlogged"])
+        weighted = weighted_batch_share()
+        value = share["token_share"] / weighted
+        figures.append(Figure(
+            f"batch share of served tokens, both classes backlogged / weighted share "
+            f"({weighted:.1%})", value, f">= {MIN_SHARE_OF_WEIGHTED}",
+            value >= MIN_SHARE_OF_WEIGHTED,
+        ))  # fmt: skip
+    if "batch-flood-direct" in runs and "batch-modest" in runs:
+        figures.append(_ratio_figure(
+            "no proxy: interactive p99 TTFT with the flood / with batch modest (proxied)",
+            runs["batch-flood-direct"], runs["batch-modest"], "interactive", judged=False,
+        ))  # fmt: skip
+    if "batch-flood-direct" in runs:
+        figures.append(_attainment_figure(
+            "no proxy: interactive SLO attainment with the batch flood",
+            _stats(runs["batch-flood-direct"])["interactive"], judged=False,
+        ))  # fmt: skip
+    return figures
+
+
+def report(
+    capacity: Capacity, runs: list[Run], figures: dict[str, list[Figure]], victim_load: float
+) -> str:
+    by_group: dict[str, list[Run]] = {}
+    for run in runs:
+        by_group.setdefault(run.scenario.group, []).append(run)
+    lines = [
+        f"Fleet: {REPLICAS} simulated replicas x {SLOTS} seats, capacity {capacity.rps:.1f} req/s "
+        f"(mean service {capacity.service_ms:.0f} ms). Victim and interactive at "
+        f"{victim_load:.0%} of capacity; aggressor and batch flood at {AGGRESSOR_FACTOR:.0f}x "
+        f"that. SLO: TTFT <= {SLO.ttft_ms:.0f} ms and total <= {SLO.total_ms:.0f} ms.",
+    ]
+    for group, group_runs in by_group.items():
+        rows = [(run.scenario.title, s) for run in group_runs for s in _stats(run).values()]
+        lines += ["", f"### {group}", "", *flow_table(rows)]
+        splits = [(run.scenario.title, _split(run)) for run in group_runs if run.scenario.protected]
+        if any(split.served for _, split in splits):
+            lines += ["", *wait_table(splits)]
+        if figures.get(group):
+            lines += ["", *figure_table(figures[group])]
+        for run in group_runs:
+            if run.scenario.sample_queues:
+                share = batch_share(run)
+                lines += [
+                    "",
+                    f"Both classes backlogged: batch got {share['token_share']:.1%} of the "
+                    f"served tokens ({share['request_share']:.1%} of the requests); both "
+                    f"queues were non-empty in {share['both_backlogged_share']:.0%} of "
+                    f"{share['queue_samples']:.0f} samples of /admin/state.",
+                ]
+    return "\n".join(lines)
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "aiohttp": aiohttp.__version__,
+        "uvloop": metadata.version("uvloop"),
+        "note": "load generator, proxy and simulated replicas share the same CPUs",
+    }
+
+
+def _run_json(run: Run) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "group": run.scenario.group,
+        "title": run.scenario.title,
+        "via_proxy": run.scenario.via_proxy,
+        "window_s": list(run.window),
+        "elapsed_s": run.elapsed_s,
+        "cpu_s": run.cpu_s,
+        "load_avg": run.load_avg,
+        "flows": {name: asdict(s) for name, s in _stats(run).items()},
+    }
+    if run.scenario.sample_queues:
+        data["batch_share"] = batch_share(run)
+    if run.scenario.protected is not None and run.waits:
+        data["wait_split"] = asdict(_split(run))
+    return data
+
+
+def _source() -> dict[str, Any]:
+    """Which proxy code ran: the commit, and the files changed since (``git`` is read only)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=5, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "proxy"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=5,
+                                 check=True).stdout.splitlines()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "changed": []}
+    return {"commit": head, "changed": [line[3:] for line in changed]}
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fairness", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=None,
+        help=f"measured seconds per scenario (default {DEFAULT_SECONDS:.0f}; "
+             f"--quick: {QUICK_SECONDS:.0f})",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="short scenarios, a smoke test")
+    parser.add_argument(
+        "--victim-load",
+        type=float,
+        default=VICTIM_LOAD,
+        help="victim's and interactive's rate as a share of capacity (default %(default)s)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SCENARIO_KEYS,
+        metavar="SCENARIO",
+        help="run only these scenarios: " + ", ".join(SCENARIO_KEYS),
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    quick = args.quick
+    timing = Timing(
+        warmup_s=QUICK_WARMUP_S if quick else WARMUP_S,
+        seconds=args.seconds
+        if args.seconds is not None
+        else (QUICK_SECONDS if quick else DEFAULT_SECONDS),
+        drain_s=QUICK_DRAIN_S if quick else DRAIN_S,
+        calibrate_s=QUICK_CALIBRATE_S if quick else CALIBRATE_S,
+    )
+    if timing.seconds <= 0 or not 0 < args.victim_load < 1:
+        print("fairness: --seconds must be positive, --victim-load in (0, 1)", file=sys.stderr)
+        return 2
+    print(
+        f"fairness: {REPLICAS} replicas x {SLOTS} seats; each scenario {timing.warmup_s:.0f} s "
+        f"warm-up + {timing.seconds:.0f} s measured; {os.cpu_count()} CPUs shared by the load "
+        "generator, the proxy and the replicas",
+        flush=True,
+    )
+    started = time.monotonic()
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    source = _source()  # before the run: the code that runs, even if a commit lands meanwhile
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
+            capacity, runs = uvloop.run(bench(args, timing, Path(tmp)))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, ConfigError) as exc:
+        print(f"fairness: {exc}", file=sys.stderr)
+        return 1
+    by_key = {run.scenario.key: run for run in runs}
+    figures = {
+        "noisy neighbour": noisy_neighbour_figures(by_key),
+        "priority isolation": priority_figures(by_key),
+    }
+    print()
+    print(report(capacity, runs, figures, args.victim_load))
+    judged = [f for group in figures.values() for f in group if f.passed is not None]
+    result = {
+        "benchmark": "fairness",
+        "command": "python -m bench.fairness " + " ".join(sys.argv[1:] if argv is None else argv),
+        "parameters": {
+            "replicas": REPLICAS, "slots": SLOTS, "sim_args": list(SIM_ARGS),
+            "shape": asdict(SHAPE), "victim_load": args.victim_load,
+            "aggressor_factor": AGGRESSOR_FACTOR,
+            "backlogged_interactive_load": BACKLOGGED_INTERACTIVE_LOAD,
+            "class_weights": CLASS_WEIGHTS, "queue_ms": QUEUE_MS,
+            "batch_queue_ms": BATCH_QUEUE_MS, "queue_capacity": QUEUE_CAPACITY,
+            **asdict(timing), "client_timeout_s": CLIENT_TIMEOUT_S,
+        },
+        "proxy_source": source,
+        "slo": asdict(SLO),
+        "capacity": asdict(capacity),
+        "machine": _machine(),
+        "started_at": started_at,
+        "wall_s": round(time.monotonic() - started, 1),
+        "scenarios": {run.scenario.key: _run_json(run) for run in runs},
+        "figures": {group: [asdict(f) for f in fs] for group, fs in figures.items()},
+        "pass": {f.name: f.passed for f in judged},
+    }  # fmt: skip
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(_finite(result), indent=2, allow_nan=False) + "\n")
+    print(f"\nresults: {args.output} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
