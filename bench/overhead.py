@@ -1,21 +1,28 @@
 """Overhead benchmark (issue 2, DESIGN section 12): this proxy against a bare pass-through.
 
-Three targets in one run, each behind the same load of small non-streaming
+Four targets in one run, each behind the same load of small non-streaming
 chat completions, first closed loop (``--concurrency`` clients, the issue's
 throughput and p50), then open loop at a fixed rate below saturation (DESIGN's
 added p50):
 
 - ``direct``: straight to ``bench.fast_upstream``, the floor;
 - ``passthrough``: through ``bench.passthrough``, the in-run baseline;
-- ``proxy``: through ``admission-proxy serve`` (one replica, one tenant).
+- ``proxy``: through ``admission-proxy serve`` (one replica, one tenant), its
+  telemetry as it ships: metrics and access log on, tracing off (no
+  ``OTEL_*`` configured);
+- ``proxy+tracing``: the same with tracing on, exporting OTLP/HTTP to
+  ``bench.otlp_sink`` (DESIGN: "each with telemetry on and off").
 
 The figures that matter are ratios against the pass-through measured in the
 same round: req/s (target at least 0.8), added p50 (target at most 1 ms) and
 CPU per request (process CPU seconds over requests, from ``/proc/<pid>/stat``,
-the front process alone, never the upstream). Rounds rotate the order of the
-targets so that machine noise favours none; each figure is the median over
-rounds. Servers are children on loopback ports the OS picks; they are stopped
-in ``finally``, also on Ctrl-C.
+the front process alone with all its threads, never the upstream); and the
+cost of tracing, ``proxy+tracing`` against ``proxy`` in the same round. The
+spans the sink received, over the requests the tracing proxy was sent, show
+whether the exporter kept up. Rounds rotate the order of the targets so that
+machine noise favours none; each figure is the median over rounds. Servers
+are children on loopback ports the OS picks; they are stopped in ``finally``,
+also on Ctrl-C.
 
     .venv/bin/python -m bench.overhead [--requests 8000] [--concurrency 32] [--warmup 1000]
         [--rounds 5] [--open-requests 4000] [--rate R]
@@ -34,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -58,7 +66,8 @@ from proxy.settings import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "overhead.json"
-TARGETS = ("direct", "passthrough", "proxy")
+TARGETS = ("direct", "passthrough", "proxy", "proxy+tracing")
+TRACED = "proxy+tracing"
 API_KEY = "sk-bench-overhead"
 TENANT = "bench"
 PATH = "/v1/chat/completions"
@@ -98,6 +107,13 @@ MAX_ADDED_P50_MS = 1.0
 #: and OpenTelemetry exporters would change what is measured.
 SCRUBBED_ENV = ("ADMISSION_", "OTEL_")
 READY_TIMEOUT_S = 20.0
+#: Spans a traced, completed chat request makes: proxy.request, .entrance,
+#: .queue, .upstream, .batch, .gpu (DESIGN section 7).
+SPANS_PER_REQUEST = 6
+#: After a traced run, how long to wait for its exporter to deliver the last
+#: spans (the SDK's batch processor sends a partial batch after 5 s), so that
+#: its thread does not take CPU from the next target's run.
+EXPORT_DRAIN_S = 7.0
 
 
 # -- the three servers ---------------------------------------------------------------
@@ -109,21 +125,36 @@ def _proxy_config(workdir: Path, port: int, upstream_url: str) -> Path:
         "replicas": [{"name": "fast", "url": upstream_url, "max_concurrency": PROXY_SEATS}],
         "tenants": {TENANT: {"api_keys": [API_KEY], "queue_capacity": PROXY_QUEUE}},
     }
-    path = workdir / "proxy.yaml"
+    path = workdir / f"proxy-{port}.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     load_config(path)  # a bad config fails here, not as a proxy that never gets ready
     return path
 
 
-def _proxy_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
+def _proxy_env(otlp_endpoint: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
+    if otlp_endpoint is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
+    return env
+
+
+def sink_stats(sink: Server) -> dict[str, int]:
+    """What ``bench.otlp_sink`` received: exports, bytes, spans, invalid."""
+    with urllib.request.urlopen(sink.url + "/stats", timeout=5.0) as response:
+        stats: dict[str, int] = json.loads(response.read())
+    return stats
 
 
 @contextmanager
-def servers(workdir: Path) -> Iterator[dict[str, Server]]:
-    """Upstream, pass-through and proxy, started in that order, stopped in reverse."""
+def servers(workdir: Path, exported: dict[str, int]) -> Iterator[dict[str, Server]]:
+    """Upstream, pass-through, OTLP sink and both proxies; stopped in reverse order.
+
+    The traced proxy stops first (its exporter flushes on the way out), then
+    the sink's counts go into ``exported``.
+    """
     started: list[Server] = []
     python = sys.executable
+    command = str(Path(python).parent / "admission-proxy")
     try:
         port = free_port()
         upstream = start_server(
@@ -138,15 +169,28 @@ def servers(workdir: Path) -> Iterator[dict[str, Server]]:
             port, "/health", workdir,
         ))  # fmt: skip
         port = free_port()
-        config = _proxy_config(workdir, port, upstream.url)
-        command = Path(python).parent / "admission-proxy"
-        started.append(start_server(
-            "proxy", [str(command), "serve", "--config", str(config)],
-            port, "/readyz", workdir, env=_proxy_env(),
-        ))  # fmt: skip
-        yield {"direct": started[0], "passthrough": started[1], "proxy": started[2]}
+        sink = start_server(
+            "sink", [python, "-m", "bench.otlp_sink", "--port", str(port)], port, "/health",
+            workdir,
+        )  # fmt: skip
+        started.append(sink)
+        for name, otlp in (("proxy", None), (TRACED, sink.url)):
+            port = free_port()
+            config = _proxy_config(workdir, port, upstream.url)
+            started.append(start_server(
+                name, [command, "serve", "--config", str(config)],
+                port, "/readyz", workdir, env=_proxy_env(otlp),
+            ))  # fmt: skip
+        running = {s.name: s for s in started}
+        running["direct"] = running.pop("upstream")
+        yield running
     finally:
         for server in reversed(started):
+            if server.name == "sink" and server.process.poll() is None:
+                try:
+                    exported.update(sink_stats(server))
+                except OSError as exc:
+                    print(f"overhead: no span counts from the sink: {exc}", file=sys.stderr)
             stop_server(server)
 
 
@@ -161,6 +205,8 @@ class Run:
     mode: str
     round: int
     requests: int
+    #: Every request the target was sent in this run, warm-up included.
+    sent: int
     errors: int
     error_kinds: dict[str, int]
     elapsed_s: float
@@ -196,7 +242,7 @@ async def measure(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         url = front.url + PATH
         warm = Requester(session, url, BODY, HEADERS)
-        await closed_loop(warm, max(args.warmup, limit), limit, RUN_CAP_S)  # opens every connection
+        warmed = await closed_loop(warm, max(args.warmup, limit), limit, RUN_CAP_S)  # opens all
         requester = Requester(session, url, BODY, HEADERS)
         overflows = listen_overflows()
         before = (front.cpu(), upstream.cpu(), _own_cpu())
@@ -213,6 +259,7 @@ async def measure(
         mode="closed" if rate is None else "open",
         round=round_no,
         requests=sample.ok,
+        sent=warmed.ok + warmed.errors + sample.ok + sample.errors,
         errors=sample.errors,
         error_kinds=sample.error_kinds,
         elapsed_s=round(sample.elapsed_s, 3),
@@ -228,25 +275,48 @@ async def measure(
 
 
 def rotation(round_no: int) -> tuple[str, ...]:
-    """Round 0: direct, passthrough, proxy; each later round starts one further on."""
+    """Round 0: direct, passthrough, proxy, proxy+tracing; each later round starts one on."""
     shift = round_no % len(TARGETS)
     return TARGETS[shift:] + TARGETS[:shift]
 
 
+async def drain_exporter(sink: Server, expected_spans: int) -> bool:
+    """Wait until the sink holds ``expected_spans``, at most ``EXPORT_DRAIN_S``."""
+    deadline = time.monotonic() + EXPORT_DRAIN_S
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(sink.url + "/stats") as response:
+                spans = int((await response.json())["spans"])
+            if spans >= expected_spans:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+
+
 async def _rounds(
-    args: argparse.Namespace, running: dict[str, Server], rate: float | None
+    args: argparse.Namespace,
+    running: dict[str, Server],
+    rate: float | None,
+    earlier: Sequence[Run] = (),
 ) -> list[Run]:
     runs: list[Run] = []
+    traced_sent = sum(r.sent for r in earlier if r.target == TRACED)
     for round_no in range(args.rounds):
         for target in rotation(round_no):
             run = await measure(target, round_no, running, args, rate)
             runs.append(run)
+            drained = True
+            if target == TRACED:
+                traced_sent += run.sent
+                drained = await drain_exporter(running["sink"], SPANS_PER_REQUEST * traced_sent)
             print(
-                f"  {run.mode:<6} round {round_no} {target:<11} {run.rps:7.0f} req/s"
+                f"  {run.mode:<6} round {round_no} {target:<13} {run.rps:7.0f} req/s"
                 f"  p50 {run.p50_ms:6.2f} ms  p99 {run.p99_ms:6.2f} ms"
                 f"  cpu {run.front_cpu_ms:.3f} ms/req  errors {run.error_kinds or 0}"
                 f"{f'  listen overflows {run.listen_overflows}' if run.listen_overflows else ''}"
-                f"{'  (time cap)' if run.capped else ''}",
+                f"{'  (time cap)' if run.capped else ''}"
+                f"{'' if drained else '  (exporter still behind after the run)'}",
                 flush=True,
             )
     return runs
@@ -279,7 +349,7 @@ async def bench(
         return runs, None
     rate: float = args.rate or open_rate(runs)
     print(f"open loop at {rate:.0f} req/s:", flush=True)
-    runs += await _rounds(args, running, rate)
+    runs += await _rounds(args, running, rate, runs)
     return runs, rate
 
 
@@ -306,6 +376,14 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
             "cpu_ratio": rr["proxy"].front_cpu_ms / rr["passthrough"].front_cpu_ms,
             "added_cpu_ms": rr["proxy"].front_cpu_ms - rr["passthrough"].front_cpu_ms,
             "passthrough_vs_direct_rps": rr["passthrough"].rps / rr["direct"].rps,
+            # Tracing on against off, and the traced proxy against the pass-through.
+            "tracing_rps_ratio": rr[TRACED].rps / rr["proxy"].rps,
+            "tracing_added_p50_ms": rr[TRACED].p50_ms - rr["proxy"].p50_ms,
+            "tracing_cpu_ratio": rr[TRACED].front_cpu_ms / rr["proxy"].front_cpu_ms,
+            "tracing_added_cpu_ms": rr[TRACED].front_cpu_ms - rr["proxy"].front_cpu_ms,
+            "traced_rps_ratio": rr[TRACED].rps / rr["passthrough"].rps,
+            "traced_added_p50_ms": rr[TRACED].p50_ms - rr["passthrough"].p50_ms,
+            "traced_cpu_ratio": rr[TRACED].front_cpu_ms / rr["passthrough"].front_cpu_ms,
         }
         for rr in by_round.values()
     ]
@@ -343,12 +421,56 @@ def targets_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def spans_per_request(runs: Sequence[Run], exported: dict[str, int]) -> float | None:
+    """Spans the sink received per request sent to the traced proxy (warm-up included)."""
+    sent = sum(r.sent for r in runs if r.target == TRACED)
+    if not sent or "spans" not in exported:
+        return None
+    return exported["spans"] / sent
+
+
+def tracing_table(
+    closed: dict[str, Any], opened: dict[str, Any] | None, spans: float | None
+) -> list[str]:
+    c = closed["ratios"]
+    lines = [
+        "| tracing on (proxy+tracing) against off (proxy), median of per-round figures | value |",
+        "|---|---:|",
+        f"| closed loop: req/s ratio | {c['tracing_rps_ratio']:.2f} |",
+        f"| closed loop: added p50 | {c['tracing_added_p50_ms']:+.2f} ms |",
+        f"| closed loop: CPU per request ratio | {c['tracing_cpu_ratio']:.2f} "
+        f"({c['tracing_added_cpu_ms']:+.3f} ms) |",
+    ]
+    if opened is not None:
+        o = opened["ratios"]
+        lines += [
+            f"| open loop: added p50 | {o['tracing_added_p50_ms']:+.2f} ms |",
+            f"| open loop: CPU per request ratio | {o['tracing_cpu_ratio']:.2f} "
+            f"({o['tracing_added_cpu_ms']:+.3f} ms) |",
+        ]
+    lines += [
+        f"| proxy+tracing against the pass-through, closed loop: req/s ratio "
+        f"| {c['traced_rps_ratio']:.2f} |",
+        f"| proxy+tracing against the pass-through, closed loop: added p50 "
+        f"| {c['traced_added_p50_ms']:+.2f} ms |",
+        f"| proxy+tracing against the pass-through, closed loop: CPU per request ratio "
+        f"| {c['traced_cpu_ratio']:.2f} |",
+    ]
+    if spans is not None:
+        lines.append(
+            f"| spans received by the sink per request sent (expected {SPANS_PER_REQUEST}) "
+            f"| {spans:.2f} |"
+        )
+    return lines
+
+
 def report(
     args: argparse.Namespace,
     closed: dict[str, Any],
     opened: dict[str, Any] | None,
     rate: float | None,
     passed: dict[str, bool],
+    spans: float | None = None,
 ) -> str:
     c = closed["ratios"]
     lines = [
@@ -389,6 +511,7 @@ def report(
     lines.append(
         f"| context: pass-through req/s / direct req/s | {c['passthrough_vs_direct_rps']:.2f} | |"
     )
+    lines += ["", *tracing_table(closed, opened, spans)]
     return "\n".join(lines)
 
 
@@ -427,10 +550,12 @@ def _machine() -> dict[str, Any]:
 
 def _tracing_note() -> str:
     scrubbed = sorted(k for k in os.environ if k.startswith(SCRUBBED_ENV))
-    removed = f" (removed from its environment: {', '.join(scrubbed)})" if scrubbed else ""
+    removed = f" (removed from their environment: {', '.join(scrubbed)})" if scrubbed else ""
     return (
-        "this proxy's telemetry: OTEL tracing not configured, no exporter"
-        f"{removed}; Prometheus metrics on; access log on, to /dev/null"
+        "the proxies' telemetry: Prometheus metrics on, access log on (to /dev/null); "
+        f"proxy: OTEL tracing not configured, no exporter{removed}; "
+        "proxy+tracing: OTEL_EXPORTER_OTLP_ENDPOINT set to bench.otlp_sink "
+        "(OTLP/HTTP, the SDK's default batch processor)"
     )
 
 
@@ -474,10 +599,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(_tracing_note(), flush=True)
     started = time.monotonic()
+    exported: dict[str, int] = {}
     try:
         with (
             tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp,
-            servers(Path(tmp)) as running,
+            servers(Path(tmp), exported) as running,
         ):
             runs, rate = uvloop.run(bench(args, running))
             crashed = [s.name for s in running.values() if s.process.poll() is not None]
@@ -494,8 +620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     open_runs = [r for r in runs if r.mode == "open"]
     opened = summarize(open_runs) if open_runs else None
     passed = verdicts(closed, opened)
+    spans = spans_per_request(runs, exported)
     print()
-    print(report(args, closed, opened, rate, passed))
+    print(report(args, closed, opened, rate, passed, spans))
     result = {
         "benchmark": "overhead",
         "command": "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -510,6 +637,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
         "closed_loop": closed,
         "open_loop": opened,
+        "tracing_export": {**exported, "spans_per_request": spans,
+                           "expected_spans_per_request": SPANS_PER_REQUEST},
         "pass": passed,
         "runs": [asdict(r) for r in runs],
     }  # fmt: skip
