@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from proxy.deadline import Deadline
 
+#: Bytes per prompt token when no tokenizer is at hand (DESIGN section 12).
+BYTES_PER_TOKEN = 4
+
 
 @dataclass(frozen=True, slots=True)
 class Admitted:

@@ -344,17 +344,25 @@ class Dispatcher:
     def predict_wait(self, tenant: str, priority: str, now: float) -> float | None:
         """Expected queue wait of a new ticket under the fair-share rule; None: no data.
 
-        Work ahead of it: its own flow's queue, stretched by the inverse of the
-        flow's current share of dispatches (the others' turns interleave),
-        never more than everything queued. A tenant at its own cap drains at
-        its own rate instead.
+        A tenant already waiting (or at its own cap) drains at the rate it has
+        actually been served recently: that rate already reflects its share
+        against every other flow, including their future arrivals, which a
+        snapshot of the queue cannot (an instantaneous share made backlogged
+        flows look twice as fast as they were, and a third of the tickets
+        admitted under overload then timed out in the queue). A tenant with
+        nothing queued waits for its next turn: its flow's share of the fleet's
+        drain rate, never more than everything queued now.
         """
         if len(self._fleet_rate) < MIN_DISPATCHES_TO_PREDICT:
             return None
-        if self._at_cap(tenant):
+        depth = self.scheduler.depth(tenant)
+        if depth or self._at_cap(tenant):
             rate = self._rates.get(tenant)
             per_s = rate.per_second(now) if rate is not None else None
-            return (self.scheduler.depth(tenant) + 1) / per_s if per_s else None
+            if per_s:
+                return (depth + 1) / per_s
+            if self._at_cap(tenant):
+                return None
         per_s = self._drain_rate(now)
         if not per_s:
             return None

@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from proxy.admitted import Admitted
+from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.deadline import Deadline
 from proxy.errors import (
     BadRequest,
@@ -53,8 +53,6 @@ SEATLESS_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
 DEFAULT_OUTPUT_TOKENS = 256
 #: Estimated cost is capped so one request cannot claim the whole fair share.
 MAX_ESTIMATED_COST = 4096
-#: Bytes per prompt token when no tokenizer is at hand.
-BYTES_PER_TOKEN = 4
 MAX_REQUEST_ID_LEN = 128
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 READ_CHUNK = 64 * 1024

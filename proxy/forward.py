@@ -14,7 +14,7 @@ import asyncio
 
 from aiohttp import web
 
-from proxy.admitted import Admitted
+from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.errors import (
     NoHealthyReplica,
     ProxyError,
@@ -22,6 +22,7 @@ from proxy.errors import (
     ShuttingDown,
     TotalTimeout,
 )
+from proxy.queues import Ticket
 from proxy.record import RequestRecord
 from proxy.relay import HOP_BY_HOP, end_to_end_headers, relay, relay_whole
 from proxy.replicas import Replica, Seat
@@ -81,7 +82,7 @@ async def forward(
     runtime.retry_budget.record_request()
     grace_s = 0.0
     try:
-        committed = await _send(runtime, lease, upstream_request, admitted, record)
+        committed = await _send(runtime, lease, upstream_request, admitted, record, ticket)
         response = await _relay(request, committed, admitted, rules, runtime, record)
         if record.outcome == "cancelled":
             grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
@@ -94,8 +95,13 @@ async def forward(
         raise
     finally:
         actual = None
-        if record.input_tokens is not None or record.output_tokens is not None:
-            actual = float((record.input_tokens or 0) + (record.output_tokens or 0))
+        if record.output_tokens is not None:
+            # An engine that reports no prompt count (vLLM streams without
+            # include_usage) keeps the prompt's estimate, not a refund of it.
+            prompt = record.input_tokens
+            if prompt is None:
+                prompt = len(admitted.body) // BYTES_PER_TOKEN
+            actual = float(prompt + record.output_tokens)
         dispatcher.finish(ticket, lease.seat, actual_cost=actual, seat_grace_s=grace_s)
 
 
@@ -105,6 +111,7 @@ async def _send(
     upstream_request: UpstreamRequest,
     admitted: Admitted,
     record: RequestRecord,
+    ticket: Ticket,
 ) -> Committed:
     """Attempts until one commits an answer worth relaying, or retrying is not allowed.
 
@@ -163,6 +170,7 @@ async def _send(
             )
         except TimeoutError as exc:
             raise TotalTimeout("no seat for a retry within the total budget") from exc
+        ticket.granted_at = runtime.clock.now()  # seat time is per seat, not per request
 
 
 def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamRequest:

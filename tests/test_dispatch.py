@@ -16,7 +16,7 @@ from proxy.errors import (
     TenantQueueFull,
 )
 from proxy.queues import Ticket
-from proxy.replicas import Replica, ReplicaPool
+from proxy.replicas import Replica, ReplicaPool, Seat
 from proxy.scheduler import FairScheduler
 from proxy.settings import BudgetsConfig, ReplicaConfig
 
@@ -235,3 +235,60 @@ async def test_prediction_uses_the_fair_share_of_the_flow() -> None:
         with pytest.raises(Exception, match="shutting down"):
             await d.wait(t)
     d.finish(holder, seat)
+
+
+async def test_admitted_tickets_rarely_outlive_their_budget_under_sustained_overload() -> None:
+    """An aggressor at 5x capacity beside a steady tenant: once the estimator is warm
+    (it fails open for its first 20 dispatches), what it admits gets a seat within
+    its queue budget (refused at once otherwise), and the steady tenant is never
+    refused."""
+    clock = FakeClock()
+    limits = {
+        "aggressor": TenantLimits(max_concurrency=None, queue_capacity=1000),
+        "steady": TenantLimits(max_concurrency=None, queue_capacity=1000),
+    }
+    d = make_dispatcher(clock, seats=2, limits=limits)
+    service_s, step_s = 0.1, 0.01  # 2 seats / 0.1 s = 20 dispatches per second
+    running: list[tuple[Ticket, Seat, float]] = []
+    waiting: list[Ticket] = []
+    outcome = {t: {"admitted": 0, "refused": 0, "expired": 0} for t in limits}
+    counted: set[int] = set()
+    for step in range(3000):  # 30 simulated seconds
+        clock.advance(step_s)
+        now = clock.now()
+        for item in [r for r in running if r[2] <= now]:
+            running.remove(item)
+            d.finish(item[0], item[1])
+        arrivals = ["aggressor"]  # 100 per second: five times capacity
+        if step % 13 == 0:
+            arrivals.append("steady")  # about 7.7 per second: under its fair share of 10
+        warm = step >= 300  # 3 s: long after the cold start's backlog has gone
+        for tenant in arrivals:
+            try:
+                ticket = enqueue(d, clock, tenant)
+            except PredictedWaitExceedsBudget:
+                outcome[tenant]["refused"] += warm
+                continue
+            waiting.append(ticket)
+            if warm:
+                counted.add(ticket.id)
+                outcome[tenant]["admitted"] += 1
+        for t in list(waiting):
+            if t.seat is not None:
+                waiting.remove(t)
+                running.append((t, t.seat, now + service_s))
+            elif t.future is not None and t.future.done():
+                waiting.remove(t)
+                assert isinstance(t.future.exception(), QueueTimeout)
+                if t.id in counted:
+                    outcome[t.tenant]["expired"] += 1
+    aggressor, steady = outcome["aggressor"], outcome["steady"]
+    assert aggressor["refused"] > aggressor["admitted"]  # 5x capacity: most refused at once
+    assert aggressor["expired"] <= 0.05 * aggressor["admitted"], aggressor
+    assert steady["refused"] == 0 and steady["expired"] == 0, steady
+    d.close()
+    for t in waiting:
+        with pytest.raises(Exception, match="shutting down"):
+            await d.wait(t)
+    for t, seat, _ in running:
+        d.finish(t, seat)
