@@ -1,0 +1,497 @@
+"""Head-to-head benchmark (issue 6): the same replicas direct, behind HAProxy, behind this proxy.
+
+Two simulated replicas (``admission-proxy sim`` processes) whose engines run
+at most ``SLOTS`` sequences at once, the knee: beyond it an engine only queues
+(unbounded), so throughput is flat and latency climbs. Three targets front
+the same two replicas in one run:
+
+- ``direct``: clients straight to the replicas, round-robin;
+- ``haproxy``: HAProxy from Debian's packages, ``balance leastconn``,
+  ``server ... maxconn SLOTS``, ``timeout queue`` at the queue budget;
+- ``proxy``: ``admission-proxy serve``, ``max_concurrency: SLOTS`` per
+  replica, ``budgets.queue_ms`` at the same queue budget, one tenant.
+
+Capacity is measured first, in the same run: a closed loop of ``SLOTS``
+clients per replica straight to the replicas. Then, for each load multiple
+(1, 2 and 3 times capacity), every target gets the same open-loop Poisson
+arrivals of streamed chat requests, whose clients give up at the SLO's total
+time. The report gives goodput (on time and within the TTFT and total SLO),
+rejections, p50/p99 TTFT and total time, and wasted work (completions the
+engines finished that no client received before its deadline); its
+definitions are in ``bench.head_to_head_report``.
+
+Every server is a child process on a loopback port, stopped in ``finally``,
+also on Ctrl-C. HAProxy is installed with apt-get when missing; when that
+fails, HAProxy is marked "not measured" and the other targets still run.
+
+    .venv/bin/python -m bench.head_to_head [--seconds 20] [--warmup 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import uvloop
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import head_to_head_haproxy as haproxy
+from bench.head_to_head_report import (
+    Phase,
+    Slo,
+    detail_table,
+    engine_delta,
+    main_table,
+    set_ratios,
+    summarize,
+    verdict_table,
+    verdicts,
+)
+from bench.head_to_head_traffic import (
+    Shape,
+    closed_loop,
+    make_session,
+    open_loop,
+    poisson_arrivals,
+)
+from bench.processes import (
+    CLOCK_TICKS,
+    Server,
+    free_port,
+    listen_overflows,
+    start_server,
+    stop_server,
+    wait_ready,
+)
+from proxy.settings import ConfigError, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "head_to_head.json"
+TARGETS = ("direct", "haproxy", "proxy")
+LOADS = (1.0, 2.0, 3.0)
+
+# -- the replicas: the same engines behind every target ---------------------------------
+
+REPLICAS = 2
+#: Sequences an engine runs at once: the knee, since past it the engine only
+#: queues. HAProxy's ``maxconn`` and the proxy's ``max_concurrency`` per replica.
+SLOTS = 8
+#: A slower "GPU" than the simulator's default, so two replicas at 3x capacity
+#: stay within what two shared cores can drive: a decode step of 20 ms plus
+#: 2.5 ms per running sequence (40 ms at the knee), prefill 0.05 ms per token.
+SIM_ARGS = ("--decode-base-ms", "20", "--decode-per-seq-ms", "2.5",
+            "--prefill-ms-per-token", "0.05")  # fmt: skip
+#: About 22 to 37 prompt tokens, 8 to 24 output tokens (0.3 to 1 s at the knee).
+SHAPE = Shape(prompt_words=(15, 25), max_tokens=(8, 24))
+
+# -- the SLO and the budgets every front gets --------------------------------------------
+
+#: Time to first token and total time; clients give up at the total.
+SLO = Slo(ttft_ms=1500.0, total_ms=2500.0)
+#: The longest wait in a front's queue: HAProxy's ``timeout queue``, this
+#: proxy's ``budgets.queue_ms``. The TTFT SLO leaves 500 ms after it for the first token.
+QUEUE_MS = 1000
+#: This proxy's ``first_byte_ms``: dispatch to the first upstream byte, the
+#: part of the TTFT SLO that the queue budget leaves.
+FIRST_BYTE_MS = int(SLO.ttft_ms) - QUEUE_MS
+CONNECT_MS = 1000
+#: The tenant queue holds twice what the replicas can serve within the queue budget.
+QUEUE_CAPACITY_FACTOR = 2.0
+TENANT = "bench"
+API_KEY = "sk-bench-head-to-head"
+#: The same headers to every target: HAProxy and the replicas ignore the key and the timeout.
+HEADERS = {
+    "Authorization": f"Bearer {API_KEY}",
+    "Content-Type": "application/json",
+    "X-Request-Timeout-Ms": str(int(SLO.total_ms)),
+}
+
+# -- timing -----------------------------------------------------------------------------
+
+DEFAULT_SECONDS = 20.0
+DEFAULT_WARMUP_S = 2.0
+QUICK_SECONDS = 5.0
+QUICK_WARMUP_S = 1.0
+CAPACITY_WARMUP_S = 1.0
+CAPACITY_S = 5.0
+QUICK_CAPACITY_S = 2.0
+READY_TIMEOUT_S = 20.0
+IDLE_TIMEOUT_S = 15.0
+#: Environment prefixes removed from the children's environment: config
+#: overrides and OpenTelemetry exporters would change what is measured.
+SCRUBBED_ENV = ("ADMISSION_", "OTEL_")
+#: Issue 6's target for this proxy's goodput at 3x against its own at 1x.
+MIN_GOODPUT_RATIO = 0.95
+
+
+# -- servers ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Fleet:
+    sims: list[Server] = field(default_factory=list)
+    fronts: dict[str, Server] = field(default_factory=dict)
+
+    def all(self) -> list[Server]:
+        return [*self.sims, *self.fronts.values()]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
+
+
+@contextmanager
+def fleet() -> Iterator[Fleet]:
+    """Whatever gets started in it is stopped on exit, in reverse order."""
+    started = Fleet()
+    try:
+        yield started
+    finally:
+        for server in reversed(started.all()):
+            stop_server(server)
+
+
+def start_sims(running: Fleet, workdir: Path) -> None:
+    for index in range(REPLICAS):
+        port = free_port()
+        argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port),
+                "--slots", str(SLOTS), "--seed", str(index), *SIM_ARGS]  # fmt: skip
+        running.sims.append(start_server(f"sim-{index}", argv, port, "/health", workdir, _env()))
+
+
+def proxy_config(port: int, sim_urls: Sequence[str], queue_capacity: int) -> str:
+    document = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "replicas": [
+            {"name": f"sim-{i}", "url": url, "max_concurrency": SLOTS}
+            for i, url in enumerate(sim_urls)
+        ],
+        "budgets": {"queue_ms": QUEUE_MS, "first_byte_ms": FIRST_BYTE_MS,
+                    "total_ms": int(SLO.total_ms)},
+        "timeouts": {"connect_ms": CONNECT_MS},
+        "tenants": {TENANT: {"api_keys": [API_KEY], "queue_capacity": queue_capacity}},
+    }  # fmt: skip
+    text = yaml.safe_dump(document, sort_keys=False)
+    parse_config(text)  # a bad config fails here, not as a proxy that never gets ready
+    return text
+
+
+def start_proxy(running: Fleet, workdir: Path, queue_capacity: int) -> str:
+    port = free_port()
+    config = workdir / "proxy.yaml"
+    config.write_text(proxy_config(port, [s.url for s in running.sims], queue_capacity))
+    argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port)]
+    running.fronts["proxy"] = start_server("proxy", argv, port, "/readyz", workdir, _env())
+    return config.read_text()
+
+
+def start_haproxy(running: Fleet, workdir: Path, path: str) -> str:
+    port = free_port()
+    replicas = [(f"sim-{i}", s.url.removeprefix("http://")) for i, s in enumerate(running.sims)]
+    text = haproxy.render_config(
+        port, replicas, maxconn=SLOTS, queue_ms=QUEUE_MS, total_ms=int(SLO.total_ms),
+        connect_ms=CONNECT_MS,
+    )  # fmt: skip
+    config = workdir / "haproxy.cfg"
+    config.write_text(text)
+    haproxy.check_config(path, config)
+    running.fronts["haproxy"] = start_server(
+        "haproxy", haproxy.argv(path, config), port, haproxy.READY_PATH, workdir
+    )  # fmt: skip
+    return text
+
+
+# -- measuring --------------------------------------------------------------------------
+
+
+async def sim_stats(session: aiohttp.ClientSession, sims: Sequence[Server]) -> list[dict[str, Any]]:
+    stats = []
+    for sim in sims:
+        async with session.get(sim.url + "/sim/stats") as response:
+            stats.append(await response.json())
+    return stats
+
+
+async def wait_sims_idle(session: aiohttp.ClientSession, sims: Sequence[Server]) -> None:
+    """Until no engine runs or queues anything: the last phase's aborts have landed."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        busy = sum(s["running"] + s["waiting"] for s in await sim_stats(session, sims))
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"replicas still busy ({busy}) after {IDLE_TIMEOUT_S:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+async def measure_capacity(running: Fleet, seconds: float) -> tuple[float, int]:
+    """Requests per second at the knee: ``SLOTS`` closed-loop clients per replica."""
+    async with make_session(CONNECT_MS / 1000.0) as session:
+        for sim in running.sims:
+            await wait_ready(session, sim, READY_TIMEOUT_S)
+        completed, failed = await closed_loop(
+            session, [s.url for s in running.sims], HEADERS, SLOTS * REPLICAS,
+            CAPACITY_WARMUP_S, seconds, SHAPE, deadline_s=30.0,
+        )  # fmt: skip
+        await wait_sims_idle(session, running.sims)
+    return completed / seconds, failed
+
+
+async def window_stats(
+    session: aiohttp.ClientSession, sims: Sequence[Server], warmup_s: float, seconds: float
+) -> dict[str, int]:
+    """The engines' counters over the measured window alone."""
+    await asyncio.sleep(warmup_s)
+    start = await sim_stats(session, sims)
+    await asyncio.sleep(seconds)
+    return engine_delta(start, await sim_stats(session, sims))
+
+
+async def front_outcomes(session: aiohttp.ClientSession, front: Server | None) -> dict[str, int]:
+    """This proxy's own count of requests by outcome (``admission_requests_total``)."""
+    if front is None or front.name != "proxy":
+        return {}
+    async with session.get(front.url + "/metrics") as response:
+        text = await response.text()
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "admission_requests":
+            continue
+        for sample in family.samples:
+            if sample.name == "admission_requests_total":
+                outcome = sample.labels.get("outcome", "?")
+                counts[outcome] = counts.get(outcome, 0) + int(sample.value)
+    return counts
+
+
+def _own_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _machine_cpu() -> float:
+    """Busy CPU seconds of the whole machine (``/proc/stat``): other programs show up here."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+async def run_phase(
+    running: Fleet, target: str, load: float, rate: float, seconds: float, warmup_s: float
+) -> Phase:
+    urls = [s.url for s in running.sims] if target == "direct" else [running.fronts[target].url]
+    arrivals = poisson_arrivals(rate, warmup_s, seconds, SHAPE, seed=f"load:{load:g}")
+    front = running.fronts.get(target)
+    async with make_session(CONNECT_MS / 1000.0) as session:
+        before = await sim_stats(session, running.sims)
+        outcomes_before = await front_outcomes(session, front)
+        cpu = (_own_cpu(), sum(s.cpu() for s in running.sims), front.cpu() if front else 0.0,
+               _machine_cpu())  # fmt: skip
+        overflows = listen_overflows()
+        window = asyncio.create_task(window_stats(session, running.sims, warmup_s, seconds))
+        try:
+            outcomes = await open_loop(session, urls, HEADERS, arrivals, SLO.total_ms / 1000.0)
+            in_window = await window
+        finally:
+            window.cancel()
+        await wait_sims_idle(session, running.sims)
+        after = await sim_stats(session, running.sims)
+        outcomes_after = await front_outcomes(session, front)
+    phase = summarize(
+        target, load, rate, seconds, outcomes, SLO, engine_delta(before, after), in_window
+    )
+    phase.cpu_s = {
+        "loadgen": _own_cpu() - cpu[0],
+        "sims": sum(s.cpu() for s in running.sims) - cpu[1],
+    }
+    if front is not None:
+        phase.cpu_s["front"] = front.cpu() - cpu[2]
+    # Whatever the machine spent beyond this benchmark's processes (the idle
+    # fronts' health probes, other programs): a large figure means a noisy run.
+    phase.cpu_s["others"] = _machine_cpu() - cpu[3] - sum(phase.cpu_s.values())
+    phase.listen_overflows = listen_overflows() - overflows
+    phase.front_outcomes = {
+        name: count - outcomes_before.get(name, 0) for name, count in outcomes_after.items()
+    }
+    for server in running.all():
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.name} exited:\n{server.stderr_tail()}")
+    return phase
+
+
+async def bench(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> list[Phase]:
+    install = await asyncio.to_thread(haproxy.ensure_haproxy)
+    record["haproxy"] = {"path": install.path, "version": install.version, "how": install.how}
+    print(f"haproxy: {install.how}" + (f" ({install.version})" if install.version else ""))
+    if install.path is None:
+        print("haproxy: NOT MEASURED; running the other targets", flush=True)
+    phases: list[Phase] = []
+    with fleet() as running:
+        start_sims(running, workdir)
+        capacity, failed = await measure_capacity(running, args.capacity_seconds)
+        if capacity <= 0 or failed:
+            raise RuntimeError(f"capacity run: {capacity:.1f} req/s with {failed} failures")
+        queue_capacity = math.ceil(QUEUE_CAPACITY_FACTOR * capacity * QUEUE_MS / 1000.0)
+        record["capacity_rps"] = capacity
+        record["proxy_queue_capacity"] = queue_capacity
+        print(f"capacity at the knee ({SLOTS} x {REPLICAS} closed-loop clients, direct): "
+              f"{capacity:.2f} req/s", flush=True)  # fmt: skip
+        record["proxy_config"] = start_proxy(running, workdir, queue_capacity)
+        if install.path is not None:
+            record["haproxy_config"] = start_haproxy(running, workdir, install.path)
+        async with make_session(CONNECT_MS / 1000.0) as session:
+            for server in running.fronts.values():
+                await wait_ready(session, server, READY_TIMEOUT_S)
+        targets = [t for t in TARGETS if t == "direct" or t in running.fronts]
+        for load in LOADS:
+            for target in targets:
+                phase = await run_phase(
+                    running, target, load, load * capacity, args.seconds, args.warmup
+                )
+                phases.append(phase)
+                print(f"  {target:8} {load:g}x: offered {phase.offered_rps:6.1f}/s, goodput "
+                      f"{phase.goodput_rps:6.1f}/s, rejected {phase.rejected}, gave up "
+                      f"{phase.gave_up}, wasted completions {phase.wasted_completions}",
+                      flush=True)  # fmt: skip
+    set_ratios(phases)
+    return phases
+
+
+# -- report -----------------------------------------------------------------------------
+
+
+def _revision() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "proxy"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "aiohttp": aiohttp.__version__,
+        "uvloop": metadata.version("uvloop"),
+        "note": "load generator, fronts and replicas share the same CPUs",
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.head_to_head", description=__doc__.splitlines()[0]
+    )
+    add = parser.add_argument
+    add(
+        "--seconds",
+        type=float,
+        default=None,
+        help=f"measured seconds per target and load (default {DEFAULT_SECONDS:g})",
+    )
+    add(
+        "--warmup",
+        type=float,
+        default=None,
+        help=f"unmeasured seconds of the same load first (default {DEFAULT_WARMUP_S:g})",
+    )
+    add(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: {QUICK_SECONDS:g} s per phase, {QUICK_WARMUP_S:g} s warm-up",
+    )
+    add("--output", type=Path, default=RESULTS, help="JSON results file")
+    return parser
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    if args.seconds is None:
+        args.seconds = QUICK_SECONDS if args.quick else DEFAULT_SECONDS
+    if args.warmup is None:
+        args.warmup = QUICK_WARMUP_S if args.quick else DEFAULT_WARMUP_S
+    args.capacity_seconds = QUICK_CAPACITY_S if args.quick else CAPACITY_S
+    if args.seconds <= 0 or args.warmup < 0:
+        raise SystemExit("--seconds must be > 0 and --warmup >= 0")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _resolve(args)
+    command = "python -m bench.head_to_head " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"head to head: {len(LOADS)} loads x {len(TARGETS)} targets, {args.seconds:g} s each "
+          f"(+{args.warmup:g} s warm-up); SLO TTFT {SLO.ttft_ms:.0f} ms, total "
+          f"{SLO.total_ms:.0f} ms; queue budget {QUEUE_MS} ms; {os.cpu_count()} CPUs shared",
+          flush=True)  # fmt: skip
+    record: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-h2h-") as tmp:
+            phases = uvloop.run(bench(args, Path(tmp), record))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, ConfigError) as exc:
+        print(f"head to head: {exc}", file=sys.stderr)
+        return 1
+    items = verdicts(phases, LOADS[-1], MIN_GOODPUT_RATIO)
+    print()
+    print(main_table(phases))
+    print()
+    print(detail_table(phases))
+    print()
+    print(verdict_table(items))
+    result = {
+        "benchmark": "head_to_head",
+        "command": command,
+        "parameters": {
+            "seconds": args.seconds, "warmup_s": args.warmup,
+            "capacity_seconds": args.capacity_seconds, "loads": LOADS, "replicas": REPLICAS,
+            "slots": SLOTS, "sim_args": SIM_ARGS, "prompt_words": SHAPE.prompt_words,
+            "max_tokens": SHAPE.max_tokens, "slo": asdict(SLO), "queue_ms": QUEUE_MS,
+            "first_byte_ms": FIRST_BYTE_MS,
+        },
+        **record,
+        "revision": _revision(),
+        "machine": _machine(),
+        "wall_s": round(time.monotonic() - started, 1),
+        "phases": [asdict(p) for p in phases],
+        "verdicts": [{**asdict(v), "mark": v.mark} for v in items],
+    }  # fmt: skip
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nresults: {args.output} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
