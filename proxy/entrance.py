@@ -104,7 +104,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
         record.fail(err)
         return error_response(err, record)
     except asyncio.CancelledError:
-        record.cancel()
+        # A client that left after the whole answer (at ``data: [DONE]``,
+        # before the chunked terminator) was served, not cancelled.
+        if not record.upstream_done:
+            record.cancel()
         raise
     except Exception:
         log.exception("unhandled error", request_id=record.request_id)

@@ -84,14 +84,16 @@ async def forward(
     try:
         committed = await _send(runtime, lease, upstream_request, admitted, record, ticket)
         response = await _relay(request, committed, admitted, rules, runtime, record)
-        if record.outcome == "cancelled":
+        if record.outcome == "cancelled" and not record.upstream_done:
             grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
         return response
     except ProxyError:
         raise
     except BaseException:
-        # Cancelled (the client left) while the replica held the request.
-        grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
+        # Cancelled (the client left) while the replica still worked on it;
+        # an answer already read to its end left nothing running upstream.
+        if not record.upstream_done:
+            grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
         raise
     finally:
         actual = None

@@ -36,6 +36,8 @@ class RequestRecord:
     attempts: int = 0
     replica: str | None = None
     upstream_status: int | None = None
+    #: The replica's answer was read to its end: its seat needs no cancel grace.
+    upstream_done: bool = False
     status: int = 0
     outcome: Outcome | None = None
     reason: str = "none"

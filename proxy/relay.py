@@ -95,6 +95,7 @@ def relay_whole(
     headers.popall("Content-Length", None)
     body = committed.first_chunk + content.read_nowait()
     committed.close()
+    record.upstream_done = True
     if len(body) <= USAGE_SCAN_LIMIT:
         prompt, completion = usage_from_body(body)
         record.input_tokens = prompt or record.input_tokens
@@ -134,13 +135,20 @@ async def relay(
             now = clock.now()
             if meter is not None:
                 meter.feed(chunk, now)
+                if meter.done:
+                    record.upstream_done = True
             elif kept is not None and len(kept) + len(chunk) <= USAGE_SCAN_LIMIT:
                 kept += chunk
             await response.write(chunk)
             chunk = await _next_chunk(upstream, deadline, clock, idle_s)
+        record.upstream_done = True
         await response.write_eof()
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError included
-        record.cancel()  # the client left mid-answer; its handler may not be cancelled
+        # The client left mid-answer (its handler may not be cancelled yet).
+        # One that closed after the last byte of the answer (clients often stop
+        # reading at ``data: [DONE]``, before the chunked terminator) got it all.
+        if not record.upstream_done:
+            record.cancel()
     except ProxyError as err:
         record.fail(err)
         await _end_broken(request, response, err, is_sse)

@@ -47,7 +47,14 @@ def has_token(event: Any) -> bool:
 class SseMeter:
     """Feeds on relayed bytes; reports the first token and the usage seen."""
 
-    __slots__ = ("_buffer", "content_events", "first_token_at", "input_tokens", "output_tokens")
+    __slots__ = (
+        "_buffer",
+        "content_events",
+        "done",
+        "first_token_at",
+        "input_tokens",
+        "output_tokens",
+    )
 
     def __init__(self) -> None:
         self._buffer = b""
@@ -55,6 +62,7 @@ class SseMeter:
         self.content_events = 0
         self.input_tokens: int | None = None
         self.output_tokens: int | None = None
+        self.done = False
 
     def feed(self, chunk: bytes, now: float) -> None:
         data = self._buffer + chunk if self._buffer else chunk
@@ -69,7 +77,10 @@ class SseMeter:
         if not line.startswith(b"data:"):
             return
         payload = line[5:].strip()
-        if not payload or payload == b"[DONE]":
+        if payload == b"[DONE]":
+            self.done = True  # the engine finished: only the HTTP terminator is left
+            return
+        if not payload:
             return
         if self.first_token_at is not None and b'"usage"' not in payload:
             self.content_events += 1

@@ -264,3 +264,32 @@ async def test_connect_timeout_is_504(start_proxy: Start) -> None:
         for filler in fillers:
             filler.close()
         listener.close()
+
+
+async def test_client_closing_after_done_frees_the_seat_at_once(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """A client that stops reading at data: [DONE] and closes before the chunked
+    terminator got the whole answer: completed, and no cancel grace on the seat."""
+    config = make_config([upstream_url], timeouts={"cancel_grace_ms": 5000})
+    proxy = await start_proxy(config)
+    reader, writer = await asyncio.open_connection(
+        proxy.client.server.host, proxy.client.server.port
+    )
+    body = json.dumps({"stream": True, "max_tokens": 3, "tail_ms": 500}).encode()
+    writer.write(
+        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    seen = b""
+    async with asyncio.timeout(5):
+        while b"data: [DONE]" not in seen:
+            seen += await reader.read(65536)
+    writer.transport.abort()
+    await wait_for(lambda: not proxy.runtime.active, timeout_s=2)
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0, timeout_s=2)
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert 'outcome="cancelled"' not in metrics
+    assert 'outcome="completed"' in metrics

@@ -5,7 +5,8 @@ Behaviour is chosen by the request path and the JSON body:
 
 - ``/v1/chat/completions``: OpenAI answer; ``"stream": true`` gives SSE with a
   role-only first chunk, ``n`` content chunks ``gap_ms`` apart, usage, [DONE].
-  ``"hang_ms"`` delays everything before the first byte; ``"cut_after"`` drops
+  ``"hang_ms"`` delays everything before the first byte; ``"tail_ms"`` delays
+  the end of the stream after ``[DONE]``; ``"cut_after"`` drops
   the connection after that many content chunks.
 - ``/status/{code}``: answers that status with a JSON body.
 - anything else: echoes method, path, headers and body length as JSON.
@@ -84,6 +85,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}
         await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
+        if body.get("tail_ms"):  # the HTTP terminator comes late (a slow last packet)
+            await asyncio.sleep(body["tail_ms"] / 1000.0)
         await response.write_eof()
         state.completed += 1
         return response
