@@ -10,7 +10,6 @@ issue) and ``session_factory`` (the upstream transport).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +32,7 @@ from proxy.retries import RetryBudget, RetryPolicy
 from proxy.runtime import Rules, Runtime
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
+from proxy.tasks import stop
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import GpuProbe, GpuSampler, NvmlProbe
 from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
@@ -144,16 +144,12 @@ def build_app(
         async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
             task = asyncio.create_task(runtime.health.run(session))
             yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop(task)
 
     async def log_flusher(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(_flush_periodically(runtime))
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop(task)
         _flush(runtime)
         await asyncio.to_thread(runtime.telemetry.tracing.shutdown)  # flushes the exporter
 
@@ -163,9 +159,7 @@ def build_app(
         interval = runtime.rules.config.gpu.sample_ms / 1000.0
         task = asyncio.create_task(sampler.run(interval))
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop(task)
         if isinstance(probe, NvmlProbe):
             await asyncio.to_thread(probe.close)
 
@@ -180,9 +174,7 @@ def build_app(
         runtime.reloader = Reloader(runtime, config_path)
         task = asyncio.create_task(runtime.reloader.watch())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop(task)
 
     app.cleanup_ctx.append(upstream_session)
     app.cleanup_ctx.append(health_loop)

@@ -19,7 +19,6 @@ Both loops are bounded in requests and in time and end by themselves:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import aiohttp
 
 from proxy.loadtest.client import send_one
 from proxy.loadtest.results import RequestResult, RequestSpec, percentile
+from proxy.tasks import stop
 
 __all__ = [
     "LAG_INTERVAL_S",
@@ -69,9 +69,7 @@ class LoopLag:
     async def __aexit__(self, *exc_info: object) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop(task)
 
     async def _watch(self) -> None:
         while True:

@@ -9,9 +9,10 @@ text or wait on output.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import TextIO
+
+from proxy.tasks import stop
 
 __all__ = ["Progress"]
 
@@ -52,10 +53,7 @@ class Progress:
 
     async def __aexit__(self, *exc_info: object) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop(task)
         self._clear()
 
     async def _tick(self) -> None:

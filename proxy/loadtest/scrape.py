@@ -19,13 +19,14 @@ depend on whether the target exports metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.tasks import stop
 
 __all__ = ["MetricsSample", "MetricsSampler", "parse_metrics", "scrape_once"]
 
@@ -158,10 +159,7 @@ class MetricsSampler:
 
     async def __aexit__(self, *exc_info: object) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop(task)
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,0 +1,22 @@
+"""Stopping the background tasks a component owns.
+
+Every long-lived loop (health probes, the GPU sampler, the config watcher,
+log flushing, load-test samplers) is a task its owner starts and, on the way
+out, cancels and awaits, so its ``finally`` blocks have run before the owner
+closes what the loop used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+
+async def stop(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` and wait until it has ended; None is a no-op."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
