@@ -22,11 +22,22 @@ priority isolation (an ``interactive`` tenant and a ``batch`` tenant)
      fleet, batch flooding): batch's share of the served tokens against its
      weighted share, 1 / (8 + 1) with the default class weights.
 
-Targets (DESIGN section 12): the victim's p99 TTFT next to the aggressor over
-its p99 next to the well-behaved neighbour at most 1.2 (the issue's "against
-the victim alone" is reported beside it), the victim's SLO attainment at
-least 99%; likewise interactive with and without the flood; batch at least
-90% of its weighted share. Each p99 ratio comes with a bootstrap interval.
+Every scenario through the proxy runs twice, in two configurations, each
+capped twin right after its uncapped one: "no tenant caps" (the config of the
+earlier runs) and "with tenant caps", where every tenant has the same
+``max_concurrency`` (``--tenant-cap``, default 6 of the 8 seats) so that no
+tenant can take the whole pool (DESIGN section 1). A figure's two sides always
+ran under the same configuration; the scenarios without a proxy have no config
+and are contrasted with the uncapped ones. What the caps cost is reported as
+the total served req/s and tokens/s of the flood scenarios, capped against
+uncapped.
+
+Targets (DESIGN section 12), judged for each configuration: the victim's p99
+TTFT next to the aggressor over its p99 next to the well-behaved neighbour at
+most 1.2 (the issue's "against the victim alone" is reported beside it), the
+victim's SLO attainment at least 99%; likewise interactive with and without
+the flood; batch at least 90% of its weighted share. Each p99 ratio comes
+with a bootstrap interval.
 
 To tell the scheduler's part from the fleet's, the protected flow's queue
 wait is split with the proxy's access log (``bench.fairness_accesslog``):
@@ -38,7 +49,7 @@ could reach on this fleet. The load generator's lateness and every
 process's CPU time are kept in the JSON as the noise check.
 
     .venv/bin/python -m bench.fairness [--seconds N] [--quick] [--victim-load F]
-        [--only SCENARIO ...] [--output PATH]
+        [--tenant-cap N] [--only SCENARIO ...] [--output PATH]
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -69,10 +80,13 @@ import yaml
 from bench.fairness_accesslog import Wait, waits
 from bench.fairness_accesslog import read as read_access_log
 from bench.fairness_report import (
+    CapsCost,
     Figure,
     FlowStats,
     Slo,
     WaitSplit,
+    caps_cost,
+    caps_cost_table,
     due_in,
     figure_table,
     flow_stats,
@@ -143,7 +157,7 @@ STATE_SAMPLE_S = 0.1
 #: Load-generator connections: open-loop requests must never wait for one.
 CONNECTIONS = 4096
 
-# -- tenants (one proxy config for every scenario) --------------------------------------
+# -- tenants (one proxy config per configuration) --------------------------------------
 
 KEYS = {
     "victim": "sk-fair-victim",
@@ -154,11 +168,23 @@ KEYS = {
 QUEUE_CAPACITY = 64
 QUEUE_MS = 2000
 BATCH_QUEUE_MS = 5000
+#: The "with tenant caps" variant: every tenant's ``max_concurrency``, the same
+#: for all. 6 of the 8 seats: two seats always stay for the other tenants,
+#: and one tenant alone still gets three quarters of the fleet. The victim's
+#: own load (about 2.5 seats in use on average at 30% of capacity, Little's
+#: law) stays well under it, so the cap seldom throttles a well-behaved tenant;
+#: a cap of 4 does (see docs/BENCHMARKS.md).
+TENANT_CAP = 6
 
 
-def proxy_config(sim_urls: Sequence[str]) -> str:
-    """The proxy's YAML: both replicas at ``SLOTS`` seats, four tenants."""
-    tenant = {"weight": 1, "queue_capacity": QUEUE_CAPACITY}
+def proxy_config(sim_urls: Sequence[str], tenant_cap: int | None = None) -> str:
+    """The proxy's YAML: both replicas at ``SLOTS`` seats, four tenants.
+
+    ``tenant_cap``: every tenant's ``max_concurrency`` (None: no cap, the default).
+    """
+    tenant: dict[str, Any] = {"weight": 1, "queue_capacity": QUEUE_CAPACITY}
+    if tenant_cap is not None:
+        tenant["max_concurrency"] = tenant_cap
     document = {
         "server": {"host": "127.0.0.1"},
         "replicas": [
@@ -184,8 +210,17 @@ def proxy_config(sim_urls: Sequence[str]) -> str:
 # -- scenarios --------------------------------------------------------------------------
 
 
+#: A capped scenario's key is its uncapped twin's plus this.
+CAPPED = "-capped"
+#: The scenarios that run through the proxy also run "with tenant caps";
+#: the ones without a proxy have no config to cap.
+CAPPED_TWINS = ("alone", "neighbour", "aggressor", "batch-modest", "batch-flood", "backlogged")
 SCENARIO_KEYS = ("alone", "neighbour", "aggressor", "aggressor-direct",
-                 "batch-modest", "batch-flood", "batch-flood-direct", "backlogged")  # fmt: skip
+                 "batch-modest", "batch-flood", "batch-flood-direct", "backlogged",
+                 *(key + CAPPED for key in CAPPED_TWINS))  # fmt: skip
+#: The two configurations, as the report names them.
+NO_CAPS = "no tenant caps"
+WITH_CAPS = "with tenant caps"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,9 +234,33 @@ class Scenario:
     protected: str | None = None
     #: Sample the proxy's queues (``/admin/state``) to show both classes stayed backlogged.
     sample_queues: bool = False
+    #: Run with every tenant's ``max_concurrency`` set (the "with tenant caps" config).
+    capped: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.title}, tenant caps" if self.capped else self.title
+
+    @property
+    def variant(self) -> str:
+        return WITH_CAPS if self.capped else NO_CAPS
+
+    def with_caps(self) -> Scenario:
+        return replace(self, key=self.key + CAPPED, capped=True)
 
 
 def scenarios(capacity_rps: float, victim_load: float = VICTIM_LOAD) -> list[Scenario]:
+    """Every scenario in running order: each capped twin right after its uncapped one,
+    so that the two configurations meet the machine in the same state."""
+    ordered: list[Scenario] = []
+    for scenario in _uncapped_scenarios(capacity_rps, victim_load):
+        ordered.append(scenario)
+        if scenario.key in CAPPED_TWINS:
+            ordered.append(scenario.with_caps())
+    return ordered
+
+
+def _uncapped_scenarios(capacity_rps: float, victim_load: float) -> list[Scenario]:
     base = victim_load * capacity_rps
     flood = AGGRESSOR_FACTOR * base
     victim = Flow("victim", "victim", KEYS["victim"], base)
@@ -325,6 +384,9 @@ class Run:
     queue_samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     #: The protected flow's queue waits, split (request id to ``Wait``).
     waits: dict[str, Wait] = field(default_factory=dict)
+    #: The proxy's ``/admin/state`` as the last arrival was due: replicas and
+    #: tenants in flight and queued, to tell a stalled proxy from a slow one.
+    state_at_end: dict[str, Any] | None = None
 
 
 async def _sample_queues(
@@ -337,6 +399,16 @@ async def _sample_queues(
             queued = {name: int(t["queued"]) for name, t in state["tenants"].items()}
             out.append((time.perf_counter() - t0, queued))
         await asyncio.sleep(STATE_SAMPLE_S)
+
+
+async def _state_at(
+    session: aiohttp.ClientSession, url: str, at: float, out: list[dict[str, Any]]
+) -> None:
+    """One ``/admin/state`` at ``at`` (``perf_counter`` time), into ``out``."""
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    with contextlib.suppress(aiohttp.ClientError, ValueError, TimeoutError):
+        async with session.get(url + "/admin/state") as response:
+            out.append(await response.json())
 
 
 async def run_scenario(
@@ -358,18 +430,24 @@ async def run_scenario(
     before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": _own_cpu()}
     samples: list[tuple[float, dict[str, int]]] = []
     sampler: asyncio.Task[None] | None = None
+    end_state: list[dict[str, Any]] = []
+    snapshot: asyncio.Task[None] | None = None
     t0 = time.perf_counter()
     if scenario.sample_queues and fleet.proxy is not None:
         sampler = asyncio.create_task(_sample_queues(control, fleet.proxy.url, samples, t0))
+    if fleet.proxy is not None:
+        end = t0 + timing.warmup_s + timing.seconds - STATE_SAMPLE_S
+        snapshot = asyncio.create_task(_state_at(control, fleet.proxy.url, end, end_state))
     try:
         results = await drive(
             load, scenario.flows, targets, SHAPE, timing.warmup_s + timing.seconds, timing.drain_s
         )
     finally:
-        if sampler is not None:
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+        for task in (sampler, snapshot):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": _own_cpu()}
         access_log = fleet.stop_proxy()
     elapsed = time.perf_counter() - t0
@@ -391,6 +469,7 @@ async def run_scenario(
         load_avg=round(os.getloadavg()[0], 2),
         queue_samples=[(t, q) for t, q in samples if window[0] <= t < window[1]],
         waits=split,
+        state_at_end=end_state[0] if end_state else None,
     )
 
 
@@ -417,11 +496,12 @@ async def bench(
                 flush=True,
             )
             await wait_sims_idle(control, sims)
-            config_yaml = proxy_config(urls)
+            configs = {False: proxy_config(urls), True: proxy_config(urls, args.tenant_cap)}
             runs: list[Run] = []
             for scenario in scenarios(capacity.rps, args.victim_load):
                 if args.only and scenario.key not in args.only:
                     continue
+                config_yaml = configs[scenario.capped]
                 run = await run_scenario(fleet, control, load, scenario, config_yaml, timing)
                 runs.append(run)
                 print(_progress_line(run), flush=True)
@@ -435,8 +515,10 @@ def _progress_line(run: Run) -> str:
         ok = sum(r.ok for r in measured)
         parts.append(f"{name} {ok}/{len(measured)} ok")
     cpu = sum(run.cpu_s.values()) / run.elapsed_s
+    if run.scenario.via_proxy and not any(r.ok for rs in run.results.values() for r in rs):
+        parts.append(f"NOTHING SERVED: proxy state at the end {run.state_at_end}")
     return (
-        f"  {run.scenario.group}: {run.scenario.title:<34} {', '.join(parts)}"
+        f"  {run.scenario.group}: {run.scenario.label:<46} {', '.join(parts)}"
         f"  ({run.elapsed_s:.0f} s, {cpu:.2f} CPUs busy with us, load avg {run.load_avg:.1f})"
     )
 
@@ -483,7 +565,23 @@ def _attainment_figure(name: str, stats: FlowStats, *, judged: bool) -> Figure:
     return Figure(name, value, target, value >= MIN_ATTAINMENT if judged else None, unit="%")
 
 
-def noisy_neighbour_figures(runs: dict[str, Run]) -> list[Figure]:
+def _variant_runs(
+    runs: dict[str, Run], keys: Sequence[str], direct: Sequence[str], *, capped: bool
+) -> dict[str, Run]:
+    """One configuration's runs under their uncapped keys (``aggressor-capped`` as
+    ``aggressor``), so that each ratio's two sides ran under the same config. The
+    runs without a proxy have no config: they are contrasted with no caps only."""
+    suffix = CAPPED if capped else ""
+    chosen = {key: runs[key + suffix] for key in keys if key + suffix in runs}
+    if not capped:
+        chosen |= {key: runs[key] for key in direct if key in runs}
+    return chosen
+
+
+def noisy_neighbour_figures(all_runs: dict[str, Run], *, capped: bool = False) -> list[Figure]:
+    runs = _variant_runs(
+        all_runs, ("alone", "neighbour", "aggressor"), ("aggressor-direct",), capped=capped
+    )
     figures: list[Figure] = []
     if "aggressor" in runs and "neighbour" in runs:
         figures.append(_ratio_figure(
@@ -542,7 +640,11 @@ def batch_share(run: Run) -> dict[str, float]:
     }
 
 
-def priority_figures(runs: dict[str, Run]) -> list[Figure]:
+def priority_figures(all_runs: dict[str, Run], *, capped: bool = False) -> list[Figure]:
+    runs = _variant_runs(
+        all_runs, ("batch-modest", "batch-flood", "backlogged"), ("batch-flood-direct",),
+        capped=capped,
+    )  # fmt: skip
     figures: list[Figure] = []
     if "batch-flood" in runs and "batch-modest" in runs:
         figures.append(_ratio_figure(
@@ -568,6 +670,11 @@ def priority_figures(runs: dict[str, Run]) -> list[Figure]:
             f"({weighted:.1%})", value, f">= {MIN_SHARE_OF_WEIGHTED}",
             value >= MIN_SHARE_OF_WEIGHTED,
         ))  # fmt: skip
+        figures.append(Figure(
+            f"interactive share of served tokens, both backlogged / weighted share "
+            f"({1 - weighted:.1%})", (1 - share["token_share"]) / (1 - weighted),
+            "(reported)", None,
+        ))  # fmt: skip
     if "batch-flood-direct" in runs and "batch-modest" in runs:
         figures.append(_ratio_figure(
             "no proxy: interactive p99 TTFT with the flood / with batch modest (proxied)",
@@ -581,8 +688,58 @@ def priority_figures(runs: dict[str, Run]) -> list[Figure]:
     return figures
 
 
+#: The scenarios whose throughput is compared with and without caps, and the
+#: flow in each that offers more than the fleet can serve.
+CAPS_COST = (("aggressor", "aggressor"), ("batch-flood", "batch-flood"),
+             ("backlogged", "batch-flood"))  # fmt: skip
+
+
+def caps_costs(runs: dict[str, Run], capacity: Capacity) -> list[CapsCost]:
+    """What the caps cost in served throughput, scenario by scenario (both variants ran)."""
+    costs: list[CapsCost] = []
+    for key, flood in CAPS_COST:
+        if key in runs and key + CAPPED in runs:
+            scenario = runs[key].scenario
+            costs.append(caps_cost(
+                scenario.title, list(_stats(runs[key]).values()),
+                list(_stats(runs[key + CAPPED]).values()), flood, capacity.rps,
+            ))  # fmt: skip
+    return costs
+
+
+def caps_cost_figures(costs: Sequence[CapsCost]) -> list[Figure]:
+    figures: list[Figure] = []
+    for cost in costs:
+        (rps, capped_rps), (tokens, capped_tokens) = cost.served_rps, cost.served_tokens_per_s
+        figures.append(Figure(
+            f"{cost.scenario}: total served req/s, with caps / without "
+            f"({capped_rps:.1f} / {rps:.1f})",
+            capped_rps / rps if rps else math.nan, "(reported)", None,
+        ))  # fmt: skip
+        figures.append(Figure(
+            f"{cost.scenario}: total served tokens/s, with caps / without "
+            f"({capped_tokens:.0f} / {tokens:.0f})",
+            capped_tokens / tokens if tokens else math.nan, "(reported)", None,
+        ))  # fmt: skip
+    return figures
+
+
+def _figures_heading(variant: str, tenant_cap: int) -> str:
+    if variant == WITH_CAPS:
+        return (
+            f"Figures {WITH_CAPS} (every tenant `max_concurrency: {tenant_cap}` of "
+            f"{REPLICAS * SLOTS} seats; each baseline ran with the same caps):"
+        )
+    return f"Figures, {NO_CAPS} (the config of the earlier runs):"
+
+
 def report(
-    capacity: Capacity, runs: list[Run], figures: dict[str, list[Figure]], victim_load: float
+    capacity: Capacity,
+    runs: list[Run],
+    figures: dict[str, dict[str, list[Figure]]],
+    costs: Sequence[CapsCost],
+    victim_load: float,
+    tenant_cap: int,
 ) -> str:
     by_group: dict[str, list[Run]] = {}
     for run in runs:
@@ -591,26 +748,34 @@ def report(
         f"Fleet: {REPLICAS} simulated replicas x {SLOTS} seats, capacity {capacity.rps:.1f} req/s "
         f"(mean service {capacity.service_ms:.0f} ms). Victim and interactive at "
         f"{victim_load:.0%} of capacity; aggressor and batch flood at {AGGRESSOR_FACTOR:.0f}x "
-        f"that. SLO: TTFT <= {SLO.ttft_ms:.0f} ms and total <= {SLO.total_ms:.0f} ms.",
+        f"that. SLO: TTFT <= {SLO.ttft_ms:.0f} ms and total <= {SLO.total_ms:.0f} ms. "
+        f"With tenant caps: every tenant's max_concurrency {tenant_cap} of "
+        f"{REPLICAS * SLOTS} seats.",
     ]
     for group, group_runs in by_group.items():
-        rows = [(run.scenario.title, s) for run in group_runs for s in _stats(run).values()]
+        rows = [(run.scenario.label, s) for run in group_runs for s in _stats(run).values()]
         lines += ["", f"### {group}", "", *flow_table(rows)]
-        splits = [(run.scenario.title, _split(run)) for run in group_runs if run.scenario.protected]
+        splits = [(run.scenario.label, _split(run)) for run in group_runs if run.scenario.protected]
         if any(split.served for _, split in splits):
             lines += ["", *wait_table(splits)]
-        if figures.get(group):
-            lines += ["", *figure_table(figures[group])]
+        for variant, variant_figures in figures.get(group, {}).items():
+            if variant_figures:
+                heading = _figures_heading(variant, tenant_cap)
+                lines += ["", heading, "", *figure_table(variant_figures)]
         for run in group_runs:
             if run.scenario.sample_queues:
                 share = batch_share(run)
                 lines += [
                     "",
-                    f"Both classes backlogged: batch got {share['token_share']:.1%} of the "
-                    f"served tokens ({share['request_share']:.1%} of the requests); both "
-                    f"queues were non-empty in {share['both_backlogged_share']:.0%} of "
+                    f"Both classes backlogged ({run.scenario.variant}): batch got "
+                    f"{share['token_share']:.1%} of the served tokens "
+                    f"({share['request_share']:.1%} of the requests); both queues were "
+                    f"non-empty in {share['both_backlogged_share']:.0%} of "
                     f"{share['queue_samples']:.0f} samples of /admin/state.",
                 ]
+    if costs:
+        lines += ["", "### cost of the tenant caps", "", *caps_cost_table(costs)]
+        lines += ["", *figure_table(caps_cost_figures(costs))]
     return "\n".join(lines)
 
 
@@ -633,6 +798,7 @@ def _run_json(run: Run) -> dict[str, Any]:
         "group": run.scenario.group,
         "title": run.scenario.title,
         "via_proxy": run.scenario.via_proxy,
+        "tenant_caps": run.scenario.capped,
         "window_s": list(run.window),
         "elapsed_s": run.elapsed_s,
         "cpu_s": run.cpu_s,
@@ -643,6 +809,8 @@ def _run_json(run: Run) -> dict[str, Any]:
         data["batch_share"] = batch_share(run)
     if run.scenario.protected is not None and run.waits:
         data["wait_split"] = asdict(_split(run))
+    if run.state_at_end is not None:
+        data["proxy_state_at_end"] = run.state_at_end
     return data
 
 
@@ -687,6 +855,14 @@ def _parser() -> argparse.ArgumentParser:
         help="victim's and interactive's rate as a share of capacity (default %(default)s)",
     )
     parser.add_argument(
+        "--tenant-cap",
+        type=int,
+        default=TENANT_CAP,
+        metavar="N",
+        help="every tenant's max_concurrency in the scenarios with tenant caps "
+        f"(default %(default)s of the {REPLICAS * SLOTS} seats)",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
         choices=SCENARIO_KEYS,
@@ -708,8 +884,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         drain_s=QUICK_DRAIN_S if quick else DRAIN_S,
         calibrate_s=QUICK_CALIBRATE_S if quick else CALIBRATE_S,
     )
-    if timing.seconds <= 0 or not 0 < args.victim_load < 1:
-        print("fairness: --seconds must be positive, --victim-load in (0, 1)", file=sys.stderr)
+    seats = REPLICAS * SLOTS
+    if timing.seconds <= 0 or not 0 < args.victim_load < 1 or not 1 <= args.tenant_cap <= seats:
+        print(
+            f"fairness: --seconds must be positive, --victim-load in (0, 1), "
+            f"--tenant-cap in 1..{seats}",
+            file=sys.stderr,
+        )
         return 2
     print(
         f"fairness: {REPLICAS} replicas x {SLOTS} seats; each scenario {timing.warmup_s:.0f} s "
@@ -731,12 +912,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     by_key = {run.scenario.key: run for run in runs}
     figures = {
-        "noisy neighbour": noisy_neighbour_figures(by_key),
-        "priority isolation": priority_figures(by_key),
+        "noisy neighbour": {
+            NO_CAPS: noisy_neighbour_figures(by_key),
+            WITH_CAPS: noisy_neighbour_figures(by_key, capped=True),
+        },
+        "priority isolation": {
+            NO_CAPS: priority_figures(by_key),
+            WITH_CAPS: priority_figures(by_key, capped=True),
+        },
     }
+    costs = caps_costs(by_key, capacity)
     print()
-    print(report(capacity, runs, figures, args.victim_load))
-    judged = [f for group in figures.values() for f in group if f.passed is not None]
+    print(report(capacity, runs, figures, costs, args.victim_load, args.tenant_cap))
+    judged = {
+        f"{group}, {variant}: {f.name}": f.passed
+        for group, variants in figures.items()
+        for variant, fs in variants.items()
+        for f in fs
+        if f.passed is not None
+    }
     result = {
         "benchmark": "fairness",
         "command": "python -m bench.fairness " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -747,6 +941,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "backlogged_interactive_load": BACKLOGGED_INTERACTIVE_LOAD,
             "class_weights": CLASS_WEIGHTS, "queue_ms": QUEUE_MS,
             "batch_queue_ms": BATCH_QUEUE_MS, "queue_capacity": QUEUE_CAPACITY,
+            "tenant_cap": args.tenant_cap,
             **asdict(timing), "client_timeout_s": CLIENT_TIMEOUT_S,
         },
         "proxy_source": source,
@@ -756,8 +951,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started_at": started_at,
         "wall_s": round(time.monotonic() - started, 1),
         "scenarios": {run.scenario.key: _run_json(run) for run in runs},
-        "figures": {group: [asdict(f) for f in fs] for group, fs in figures.items()},
-        "pass": {f.name: f.passed for f in judged},
+        "figures": {
+            group: {variant: [asdict(f) for f in fs] for variant, fs in variants.items()}
+            for group, variants in figures.items()
+        },
+        "caps_cost": [asdict(c) for c in costs],
+        "caps_cost_figures": [asdict(f) for f in caps_cost_figures(costs)],
+        "pass": judged,
     }  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(_finite(result), indent=2, allow_nan=False) + "\n")

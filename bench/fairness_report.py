@@ -303,3 +303,66 @@ def wait_table(rows: Sequence[tuple[str, WaitSplit]]) -> list[str]:
             f"| {_fmt_ms(w.ttft_p99_ms)} | {_fmt_ms(w.ideal_ttft_p99_ms)} |"
         )
     return lines
+
+
+@dataclass(frozen=True, slots=True)
+class CapsCost:
+    """One scenario's served throughput without and with tenant caps: (no caps, caps)."""
+
+    scenario: str
+    served_rps: tuple[float, float]
+    served_tokens_per_s: tuple[float, float]
+    #: The part of it served to the flow that offers more than the fleet can serve.
+    flood: str
+    flood_rps: tuple[float, float]
+    #: The others' part (the victim, interactive).
+    others_rps: tuple[float, float]
+    capacity_rps: float
+
+
+def caps_cost(
+    scenario: str,
+    uncapped: Sequence[FlowStats],
+    capped: Sequence[FlowStats],
+    flood: str,
+    capacity_rps: float,
+) -> CapsCost:
+    """Totals over every flow of a scenario, the same scenario with and without caps."""
+
+    def total(stats: Sequence[FlowStats]) -> tuple[float, float, float]:
+        rps = sum(s.served_rps for s in stats)
+        tokens = sum(s.served_tokens_per_s for s in stats)
+        flood_rps = sum(s.served_rps for s in stats if s.flow == flood)
+        return round(rps, 2), round(tokens, 1), round(flood_rps, 2)
+
+    (rps, tokens, flood_rps), (c_rps, c_tokens, c_flood) = total(uncapped), total(capped)
+    return CapsCost(
+        scenario=scenario,
+        served_rps=(rps, c_rps),
+        served_tokens_per_s=(tokens, c_tokens),
+        flood=flood,
+        flood_rps=(flood_rps, c_flood),
+        others_rps=(round(rps - flood_rps, 2), round(c_rps - c_flood, 2)),
+        capacity_rps=capacity_rps,
+    )
+
+
+def caps_cost_table(rows: Sequence[CapsCost]) -> list[str]:
+    lines = [
+        "| scenario | served req/s, no caps / caps | of capacity, no caps / caps "
+        "| served tokens/s (prompt + output), no caps / caps | the flood's req/s "
+        "| the others' req/s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def pair(values: tuple[float, float], spec: str) -> str:
+        return f"{values[0]:{spec}} / {values[1]:{spec}}"
+
+    for c in rows:
+        share = (c.served_rps[0] / c.capacity_rps, c.served_rps[1] / c.capacity_rps)
+        lines.append(
+            f"| {c.scenario} | {pair(c.served_rps, '.1f')} | {pair(share, '.0%')} "
+            f"| {pair(c.served_tokens_per_s, '.0f')} | {c.flood}: {pair(c.flood_rps, '.1f')} "
+            f"| {pair(c.others_rps, '.1f')} |"
+        )
+    return lines
