@@ -209,8 +209,10 @@ async def run_demo(
             await sim.close()
     print("\n" + summary_table(stats, config), file=out)
     print(
-        "\nchat (interactive) is served first; analytics (batch) is rate-limited and capped "
-        "yet still gets its share; webapp's queue budget sheds what cannot start in time.",
+        "\nThe fleet has 8 seats and is offered several times that: every refusal was "
+        "answered at once with its reason (X-Admission-Reason; README lists them), the "
+        "rest were served within their tenant's budgets. Seats are shared by class and "
+        "tenant weight in tokens, so analytics' long batch requests get few, large turns.",
         file=out,
     )
     return 0
