@@ -210,8 +210,8 @@ async def run_demo(
     print("\n" + summary_table(stats, config), file=out)
     print(
         "\nThe fleet has 8 seats and is offered several times that: every refusal was "
-        "answered at once with its reason (X-Admission-Reason; README lists them), the "
-        "rest were served within their tenant's budgets. Seats are shared by class and "
+        "answered with its reason (X-Admission-Reason; README lists them), never "
+        "later than its tenant's queue budget. Seats are shared by class and "
         "tenant weight in tokens, so analytics' long batch requests get few, large turns.",
         file=out,
     )
