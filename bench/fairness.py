@@ -77,6 +77,7 @@ import aiohttp
 import uvloop
 import yaml
 
+from bench.common import finite
 from bench.fairness_accesslog import Wait, waits
 from bench.fairness_accesslog import read as read_access_log
 from bench.fairness_report import (
@@ -827,17 +828,6 @@ def _source() -> dict[str, Any]:
     return {"commit": head, "changed": [line[3:] for line in changed]}
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.fairness", description=__doc__.splitlines()[0]
@@ -960,7 +950,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pass": judged,
     }  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(_finite(result), indent=2, allow_nan=False) + "\n")
+    args.output.write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
     print(f"\nresults: {args.output} ({result['wall_s']:.0f} s)")
     return 0
 

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import head_to_head_haproxy as haproxy
+from bench.common import revision
 from bench.head_to_head_report import (
     Phase,
     Slo,
@@ -376,27 +376,6 @@ async def bench(args: argparse.Namespace, workdir: Path, record: dict[str, Any])
 # -- report -----------------------------------------------------------------------------
 
 
-def _revision() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "proxy"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def _machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
@@ -481,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "first_byte_ms": FIRST_BYTE_MS,
         },
         **record,
-        "revision": _revision(),
+        "revision": revision(),
         "machine": _machine(),
         "wall_s": round(time.monotonic() - started, 1),
         "phases": [asdict(p) for p in phases],

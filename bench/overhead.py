@@ -37,7 +37,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ import aiohttp
 import uvloop
 import yaml
 
+from bench.common import revision
 from bench.load import Requester, closed_loop, open_loop
 from bench.processes import (
     Server,
@@ -515,28 +515,6 @@ def report(
     return "\n".join(lines)
 
 
-def _revision() -> str:
-    """The commit measured, with ``+dirty`` when ``proxy/`` has uncommitted changes."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "proxy"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")  # fmt: skip
-
-
 def _machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
@@ -631,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": args.rounds, "open_requests": args.open_requests, "open_rate": rate,
             "body_bytes": len(BODY), "run_cap_s": RUN_CAP_S,
         },
-        "revision": _revision(),
+        "revision": revision(),
         "telemetry": _tracing_note(),
         "machine": _machine(),
         "wall_s": round(time.monotonic() - started, 1),

@@ -62,6 +62,7 @@ import uvloop
 import yaml
 from prometheus_client import CollectorRegistry
 
+from bench.common import finite
 from bench.retry_storm_fleet import Sims, running_proxy, set_faults, sim_stats, wait_healthy
 from bench.retry_storm_report import (
     Result,
@@ -502,17 +503,6 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.retry_storm", description=__doc__.splitlines()[0]
@@ -630,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pass": {f.name: f.passed for f in items if f.passed is not None},
     }  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(_finite(result), indent=2, allow_nan=False) + "\n")
+    args.output.write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
     print(f"\nresults: {args.output} ({result['wall_s']:.0f} s)")
     return 0
 
