@@ -23,14 +23,18 @@ priority isolation (an ``interactive`` tenant and a ``batch`` tenant)
      weighted share, 1 / (8 + 1) with the default class weights.
 
 Every scenario through the proxy runs twice, in two configurations, each
-capped twin right after its uncapped one: "no tenant caps" (the config of the
-earlier runs) and "with tenant caps", where every tenant has the same
-``max_concurrency`` (``--tenant-cap``, default 6 of the 8 seats) so that no
-tenant can take the whole pool (DESIGN section 1). A figure's two sides always
-ran under the same configuration; the scenarios without a proxy have no config
-and are contrasted with the uncapped ones. What the caps cost is reported as
-the total served req/s and tokens/s of the flood scenarios, capped against
-uncapped.
+twin right after its plain one: "no headroom" (seats at the knee only, the
+config of the earlier runs) and "with headroom", where each replica offers
+``--headroom`` seats above its knee (default 4) that only a tenant below its
+fair share may take (``proxy/usage.py``); ``--tenant-cap N`` adds the same
+``max_concurrency`` for every tenant to that second configuration. The
+simulated engines have room for the headroom in both configurations
+(``SLOTS + headroom`` slots each), as a vLLM engine has far more sequence
+slots than its knee. A figure's two sides always ran under the same
+configuration; the scenarios without a proxy have no config and are
+contrasted with the plain ones. What the headroom costs is reported as the
+total served req/s and tokens/s of the flood scenarios, against the plain
+configuration.
 
 Targets (DESIGN section 12), judged for each configuration: the victim's p99
 TTFT next to the aggressor over its p99 next to the well-behaved neighbour at
@@ -109,9 +113,12 @@ RESULTS = ROOT / "bench" / "results" / "fairness.json"
 # -- the fleet: the same seats in every scenario ----------------------------------------
 
 REPLICAS = 2
-#: Engine slots per replica, and the proxy's ``max_concurrency`` for it: equal,
-#: so the proxy, not the engine, does the queueing.
+#: The proxy's ``max_concurrency`` per replica (the knee). The engine has room
+#: for the headroom seats on top (``--headroom``), so the proxy, not the engine,
+#: does the queueing.
 SLOTS = 4
+#: Seats above the knee per replica in the "with headroom" configuration.
+HEADROOM = 4
 #: The simulator's defaults, written out: a 10 ms decode step plus 1.5 ms per
 #: running sequence, prefill at 0.05 ms per prompt token.
 SIM_ARGS = ("--decode-base-ms", "10", "--decode-per-seq-ms", "1.5",
@@ -169,19 +176,13 @@ KEYS = {
 QUEUE_CAPACITY = 64
 QUEUE_MS = 2000
 BATCH_QUEUE_MS = 5000
-#: The "with tenant caps" variant: every tenant's ``max_concurrency``, the same
-#: for all. 6 of the 8 seats: two seats always stay for the other tenants,
-#: and one tenant alone still gets three quarters of the fleet. The victim's
-#: own load (about 2.5 seats in use on average at 30% of capacity, Little's
-#: law) stays well under it, so the cap seldom throttles a well-behaved tenant;
-#: a cap of 4 does (see docs/BENCHMARKS.md).
-TENANT_CAP = 6
 
 
-def proxy_config(sim_urls: Sequence[str], tenant_cap: int | None = None) -> str:
+def proxy_config(sim_urls: Sequence[str], tenant_cap: int | None = None, headroom: int = 0) -> str:
     """The proxy's YAML: both replicas at ``SLOTS`` seats, four tenants.
 
-    ``tenant_cap``: every tenant's ``max_concurrency`` (None: no cap, the default).
+    ``tenant_cap``: every tenant's ``max_concurrency`` (None: no cap, the
+    default); ``headroom``: each replica's seats above the knee.
     """
     tenant: dict[str, Any] = {"weight": 1, "queue_capacity": QUEUE_CAPACITY}
     if tenant_cap is not None:
@@ -189,7 +190,7 @@ def proxy_config(sim_urls: Sequence[str], tenant_cap: int | None = None) -> str:
     document = {
         "server": {"host": "127.0.0.1"},
         "replicas": [
-            {"name": f"sim-{i}", "url": url, "max_concurrency": SLOTS}
+            {"name": f"sim-{i}", "url": url, "max_concurrency": SLOTS, "headroom": headroom}
             for i, url in enumerate(sim_urls)
         ],
         "budgets": {"queue_ms": QUEUE_MS, "first_byte_ms": 10_000, "total_ms": 30_000},
@@ -211,17 +212,17 @@ def proxy_config(sim_urls: Sequence[str], tenant_cap: int | None = None) -> str:
 # -- scenarios --------------------------------------------------------------------------
 
 
-#: A capped scenario's key is its uncapped twin's plus this.
-CAPPED = "-capped"
-#: The scenarios that run through the proxy also run "with tenant caps";
-#: the ones without a proxy have no config to cap.
+#: A protected scenario's key is its plain twin's plus this.
+CAPPED = "-headroom"
+#: The scenarios that run through the proxy also run "with headroom";
+#: the ones without a proxy have no config to change.
 CAPPED_TWINS = ("alone", "neighbour", "aggressor", "batch-modest", "batch-flood", "backlogged")
 SCENARIO_KEYS = ("alone", "neighbour", "aggressor", "aggressor-direct",
                  "batch-modest", "batch-flood", "batch-flood-direct", "backlogged",
                  *(key + CAPPED for key in CAPPED_TWINS))  # fmt: skip
 #: The two configurations, as the report names them.
-NO_CAPS = "no tenant caps"
-WITH_CAPS = "with tenant caps"
+NO_CAPS = "no headroom"
+WITH_CAPS = "with headroom"
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,12 +236,12 @@ class Scenario:
     protected: str | None = None
     #: Sample the proxy's queues (``/admin/state``) to show both classes stayed backlogged.
     sample_queues: bool = False
-    #: Run with every tenant's ``max_concurrency`` set (the "with tenant caps" config).
+    #: Run with the second config ("with headroom", maybe tenant caps too).
     capped: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.title}, tenant caps" if self.capped else self.title
+        return f"{self.title}, headroom" if self.capped else self.title
 
     @property
     def variant(self) -> str:
@@ -484,7 +485,7 @@ async def bench(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as control,
             aiohttp.ClientSession(connector=connector, timeout=timeout) as load,
         ):
-            sim_args = ["--slots", str(SLOTS), *SIM_ARGS]
+            sim_args = ["--slots", str(SLOTS + args.headroom), *SIM_ARGS]
             sims = await fleet.start_sims(REPLICAS, sim_args)
             for sim in sims:
                 await wait_ready(control, sim, "/health")
@@ -497,7 +498,10 @@ async def bench(
                 flush=True,
             )
             await wait_sims_idle(control, sims)
-            configs = {False: proxy_config(urls), True: proxy_config(urls, args.tenant_cap)}
+            configs = {
+                False: proxy_config(urls),
+                True: proxy_config(urls, args.tenant_cap, args.headroom),
+            }
             runs: list[Run] = []
             for scenario in scenarios(capacity.rps, args.victim_load):
                 if args.only and scenario.key not in args.only:
@@ -571,7 +575,7 @@ def _variant_runs(
 ) -> dict[str, Run]:
     """One configuration's runs under their uncapped keys (``aggressor-capped`` as
     ``aggressor``), so that each ratio's two sides ran under the same config. The
-    runs without a proxy have no config: they are contrasted with no caps only."""
+    runs without a proxy have no config: they are contrasted with the plain config only."""
     suffix = CAPPED if capped else ""
     chosen = {key: runs[key + suffix] for key in keys if key + suffix in runs}
     if not capped:
@@ -689,14 +693,14 @@ def priority_figures(all_runs: dict[str, Run], *, capped: bool = False) -> list[
     return figures
 
 
-#: The scenarios whose throughput is compared with and without caps, and the
+#: The scenarios whose throughput is compared across the two configs, and the
 #: flow in each that offers more than the fleet can serve.
 CAPS_COST = (("aggressor", "aggressor"), ("batch-flood", "batch-flood"),
              ("backlogged", "batch-flood"))  # fmt: skip
 
 
 def caps_costs(runs: dict[str, Run], capacity: Capacity) -> list[CapsCost]:
-    """What the caps cost in served throughput, scenario by scenario (both variants ran)."""
+    """What the second config costs in served throughput, per scenario (both ran)."""
     costs: list[CapsCost] = []
     for key, flood in CAPS_COST:
         if key in runs and key + CAPPED in runs:
@@ -713,23 +717,30 @@ def caps_cost_figures(costs: Sequence[CapsCost]) -> list[Figure]:
     for cost in costs:
         (rps, capped_rps), (tokens, capped_tokens) = cost.served_rps, cost.served_tokens_per_s
         figures.append(Figure(
-            f"{cost.scenario}: total served req/s, with caps / without "
+            f"{cost.scenario}: total served req/s, second config / plain "
             f"({capped_rps:.1f} / {rps:.1f})",
             capped_rps / rps if rps else math.nan, "(reported)", None,
         ))  # fmt: skip
         figures.append(Figure(
-            f"{cost.scenario}: total served tokens/s, with caps / without "
+            f"{cost.scenario}: total served tokens/s, second config / plain "
             f"({capped_tokens:.0f} / {tokens:.0f})",
             capped_tokens / tokens if tokens else math.nan, "(reported)", None,
         ))  # fmt: skip
     return figures
 
 
-def _figures_heading(variant: str, tenant_cap: int) -> str:
+def _second_config(headroom: int, tenant_cap: int | None) -> str:
+    text = f"`headroom: {headroom}` per replica"
+    if tenant_cap is not None:
+        text += f" and every tenant `max_concurrency: {tenant_cap}` of {REPLICAS * SLOTS} seats"
+    return text
+
+
+def _figures_heading(variant: str, headroom: int, tenant_cap: int | None) -> str:
     if variant == WITH_CAPS:
         return (
-            f"Figures {WITH_CAPS} (every tenant `max_concurrency: {tenant_cap}` of "
-            f"{REPLICAS * SLOTS} seats; each baseline ran with the same caps):"
+            f"Figures {WITH_CAPS} ({_second_config(headroom, tenant_cap)}; each baseline "
+            "ran with the same config):"
         )
     return f"Figures, {NO_CAPS} (the config of the earlier runs):"
 
@@ -740,7 +751,8 @@ def report(
     figures: dict[str, dict[str, list[Figure]]],
     costs: Sequence[CapsCost],
     victim_load: float,
-    tenant_cap: int,
+    headroom: int,
+    tenant_cap: int | None,
 ) -> str:
     by_group: dict[str, list[Run]] = {}
     for run in runs:
@@ -750,8 +762,8 @@ def report(
         f"(mean service {capacity.service_ms:.0f} ms). Victim and interactive at "
         f"{victim_load:.0%} of capacity; aggressor and batch flood at {AGGRESSOR_FACTOR:.0f}x "
         f"that. SLO: TTFT <= {SLO.ttft_ms:.0f} ms and total <= {SLO.total_ms:.0f} ms. "
-        f"With tenant caps: every tenant's max_concurrency {tenant_cap} of "
-        f"{REPLICAS * SLOTS} seats.",
+        f"Second config: {_second_config(headroom, tenant_cap)}; engines have "
+        f"{SLOTS + headroom} slots each in both.",
     ]
     for group, group_runs in by_group.items():
         rows = [(run.scenario.label, s) for run in group_runs for s in _stats(run).values()]
@@ -761,7 +773,7 @@ def report(
             lines += ["", *wait_table(splits)]
         for variant, variant_figures in figures.get(group, {}).items():
             if variant_figures:
-                heading = _figures_heading(variant, tenant_cap)
+                heading = _figures_heading(variant, headroom, tenant_cap)
                 lines += ["", heading, "", *figure_table(variant_figures)]
         for run in group_runs:
             if run.scenario.sample_queues:
@@ -775,7 +787,7 @@ def report(
                     f"{share['queue_samples']:.0f} samples of /admin/state.",
                 ]
     if costs:
-        lines += ["", "### cost of the tenant caps", "", *caps_cost_table(costs)]
+        lines += ["", "### cost of the second config", "", *caps_cost_table(costs)]
         lines += ["", *figure_table(caps_cost_figures(costs))]
     return "\n".join(lines)
 
@@ -799,7 +811,7 @@ def _run_json(run: Run) -> dict[str, Any]:
         "group": run.scenario.group,
         "title": run.scenario.title,
         "via_proxy": run.scenario.via_proxy,
-        "tenant_caps": run.scenario.capped,
+        "second_config": run.scenario.capped,
         "window_s": list(run.window),
         "elapsed_s": run.elapsed_s,
         "cpu_s": run.cpu_s,
@@ -845,12 +857,18 @@ def _parser() -> argparse.ArgumentParser:
         help="victim's and interactive's rate as a share of capacity (default %(default)s)",
     )
     parser.add_argument(
+        "--headroom",
+        type=int,
+        default=HEADROOM,
+        metavar="N",
+        help="seats above the knee per replica in the second config (default %(default)s)",
+    )
+    parser.add_argument(
         "--tenant-cap",
         type=int,
-        default=TENANT_CAP,
+        default=None,
         metavar="N",
-        help="every tenant's max_concurrency in the scenarios with tenant caps "
-        f"(default %(default)s of the {REPLICAS * SLOTS} seats)",
+        help=f"also give every tenant max_concurrency N (of {REPLICAS * SLOTS}) there",
     )
     parser.add_argument(
         "--only",
@@ -875,10 +893,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibrate_s=QUICK_CALIBRATE_S if quick else CALIBRATE_S,
     )
     seats = REPLICAS * SLOTS
-    if timing.seconds <= 0 or not 0 < args.victim_load < 1 or not 1 <= args.tenant_cap <= seats:
+    cap_ok = args.tenant_cap is None or 1 <= args.tenant_cap <= seats
+    if timing.seconds <= 0 or not 0 < args.victim_load < 1 or not cap_ok or args.headroom < 0:
         print(
             f"fairness: --seconds must be positive, --victim-load in (0, 1), "
-            f"--tenant-cap in 1..{seats}",
+            f"--tenant-cap in 1..{seats}, --headroom at least 0",
             file=sys.stderr,
         )
         return 2
@@ -913,7 +932,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     costs = caps_costs(by_key, capacity)
     print()
-    print(report(capacity, runs, figures, costs, args.victim_load, args.tenant_cap))
+    print(report(capacity, runs, figures, costs, args.victim_load, args.headroom, args.tenant_cap))
     judged = {
         f"{group}, {variant}: {f.name}": f.passed
         for group, variants in figures.items()
@@ -931,7 +950,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "backlogged_interactive_load": BACKLOGGED_INTERACTIVE_LOAD,
             "class_weights": CLASS_WEIGHTS, "queue_ms": QUEUE_MS,
             "batch_queue_ms": BATCH_QUEUE_MS, "queue_capacity": QUEUE_CAPACITY,
-            "tenant_cap": args.tenant_cap,
+            "tenant_cap": args.tenant_cap, "headroom": args.headroom,
             **asdict(timing), "client_timeout_s": CLIENT_TIMEOUT_S,
         },
         "proxy_source": source,

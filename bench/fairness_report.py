@@ -307,7 +307,7 @@ def wait_table(rows: Sequence[tuple[str, WaitSplit]]) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class CapsCost:
-    """One scenario's served throughput without and with tenant caps: (no caps, caps)."""
+    """One scenario's served throughput in the plain and the second config: (plain, second)."""
 
     scenario: str
     served_rps: tuple[float, float]
@@ -327,7 +327,7 @@ def caps_cost(
     flood: str,
     capacity_rps: float,
 ) -> CapsCost:
-    """Totals over every flow of a scenario, the same scenario with and without caps."""
+    """Totals over every flow of a scenario, the same scenario in both configs."""
 
     def total(stats: Sequence[FlowStats]) -> tuple[float, float, float]:
         rps = sum(s.served_rps for s in stats)
@@ -349,8 +349,8 @@ def caps_cost(
 
 def caps_cost_table(rows: Sequence[CapsCost]) -> list[str]:
     lines = [
-        "| scenario | served req/s, no caps / caps | of capacity, no caps / caps "
-        "| served tokens/s (prompt + output), no caps / caps | the flood's req/s "
+        "| scenario | served req/s, plain / second config | of capacity, plain / second config "
+        "| served tokens/s (prompt + output), plain / second config | the flood's req/s "
         "| the others' req/s |",
         "|---|---:|---:|---:|---:|---:|",
     ]

@@ -110,6 +110,14 @@ async def admin(request: web.Request) -> web.StreamResponse:
     raise web.HTTPNotFound()
 
 
+def _engine_state(runtime: Runtime, name: str) -> dict[str, float | None] | None:
+    """The replica's last fresh engine metrics (``metrics_url``), None without any."""
+    reading = runtime.health.engine_reading(name)
+    if reading is None:
+        return None
+    return {"waiting": reading.waiting, "running": reading.running, "kv_cache": reading.kv_cache}
+
+
 def admin_state(runtime: Runtime) -> dict[str, object]:
     dispatcher = runtime.dispatcher
     tenants = {
@@ -128,12 +136,14 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
         r.name: {
             "inflight": r.inflight,
             "limit": r.limit,
+            "headroom": r.headroom,
             "ejected": r.ejected,
             "draining": r.draining,
             "warming": r.warming,
             "saturated": r.saturated,
             "gpu_guarded": r.gpu_guarded,
             "consecutive_failures": r.failures,
+            "engine": _engine_state(runtime, r.name),
         }
         for r in runtime.pool.replicas
     }
@@ -142,6 +152,7 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
         "tenants": tenants,
         "replicas": replicas,
         "retry_budget": {"allowance": budget.allowance(), "summary": repr(budget)},
+        "headroom_grants": dispatcher.headroom_grants,
         "shutting_down": runtime.shutting_down,
     }
 

@@ -35,6 +35,7 @@ from proxy.errors import (
 from proxy.queues import Ticket
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler
+from proxy.usage import RecentUsage
 
 #: Dispatch times kept per tenant to estimate its drain rate (Retry-After).
 RATE_WINDOW = 64
@@ -48,6 +49,8 @@ MIN_DISPATCHES_TO_PREDICT = 20
 RESEAT_PREFERENCE_S = 1.0
 #: Smoothing of the mean seat-holding time (exponentially weighted).
 SERVICE_TIME_ALPHA = 0.1
+#: Grants between sweeps of tenants whose recent usage decayed to nothing.
+USAGE_SWEEP_EVERY = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,9 @@ class Dispatcher:
         self._rates: dict[str, DispatchRate] = {}
         self._fleet_rate = DispatchRate()
         self._service = ServiceTime()
+        self._usage = RecentUsage()
+        self._grants = 0
+        self._headroom_grants = 0
         self._high_water: dict[str, int] = {}
         #: Retries waiting for a seat: served ahead of queued tickets.
         self._reseating: list[_Reseat] = []
@@ -162,6 +168,20 @@ class Dispatcher:
     def queued(self) -> int:
         return len(self.scheduler)
 
+    @property
+    def headroom_grants(self) -> int:
+        """Requests started on a headroom seat since start (``/admin/state``)."""
+        return self._headroom_grants
+
+    def below_fair_share(self, tenant: str, priority: str, now: float) -> bool:
+        """The tenant's recent share of the work is under its weighted share.
+
+        Its share counts the flows backlogged now plus itself, so with nobody
+        else waiting it is 1.0 and a lone tenant never qualifies: headroom is
+        for isolation, not extra throughput.
+        """
+        return self._usage.fraction(tenant, now) < self.scheduler.share_of(tenant, priority)
+
     def __repr__(self) -> str:
         return (
             f"<Dispatcher {self.total_inflight()} active, {len(self.scheduler)} queued, "
@@ -182,9 +202,15 @@ class Dispatcher:
         now = self._clock.now()
         expires_at = deadline.queue_expires_at(now)
         replica = self._replica_for_immediate_start(tenant)
+        headroom = False
+        if replica is None:
+            replica = self._headroom_for(tenant, priority, now)
+            headroom = replica is not None
         if replica is not None:
             ticket = Ticket(tenant, priority, cost, now, expires_at)
             self._grant(ticket, self.pool.lease(replica), now)
+            if headroom:
+                self._headroom_grants += 1
             return ticket
         limits = self.limits_for(tenant)
         depth = self.scheduler.depth(tenant)
@@ -306,6 +332,21 @@ class Dispatcher:
             return None
         return self.pool.choose()
 
+    def _headroom_for(self, tenant: str, priority: str, now: float) -> Replica | None:
+        """A seat above the knee for a tenant below its fair share with nothing queued.
+
+        Its own queue must be empty (its tickets keep their order) and it must
+        be under its own cap; everyone else waits for a regular seat.
+        """
+        if (
+            not self.pool.offers_headroom()
+            or self._at_cap(tenant)
+            or self.scheduler.depth(tenant)
+            or not self.below_fair_share(tenant, priority, now)
+        ):
+            return None
+        return self.pool.choose(headroom=True)
+
     def _time_to_free_place(self, tenant: str, priority: str, now: float) -> float:
         """Expected time until the tenant's queue moves by one (Retry-After of 429s).
 
@@ -421,6 +462,10 @@ class Dispatcher:
             rate = self._rates[ticket.tenant] = DispatchRate()
         rate.record(now)
         self._fleet_rate.record(now)
+        self._usage.record(ticket.tenant, ticket.cost, now)
+        self._grants += 1
+        if self._grants % USAGE_SWEEP_EVERY == 0:
+            self._usage.forget_idle(now)
         if ticket.future is not None:
             ticket.future.set_result(seat)
 

@@ -49,6 +49,13 @@ WAITING_METRICS = (
     "llamacpp:requests_deferred",
 )
 KV_CACHE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+#: Engine gauges of requests being computed now (reported, not acted on).
+RUNNING_METRICS = (
+    "vllm:num_requests_running",
+    "sglang:num_running_reqs",
+    "tgi_batch_current_size",
+    "llamacpp:requests_processing",
+)
 #: Failures of these reasons count toward ejection (429 and 503 do not).
 COUNTED_REASONS = frozenset(
     {"upstream_connect_error", "connect_timeout", "upstream_protocol_error", "first_byte_timeout"}
@@ -64,17 +71,26 @@ class EngineReading:
     at: float
     waiting: float | None
     kv_cache: float | None
+    running: float | None = None
 
 
-def parse_engine_metrics(text: str) -> tuple[float | None, float | None]:
-    """(waiting requests, KV-cache usage 0..1) from an engine's Prometheus text."""
+def parse_engine_metrics(text: str, at: float = 0.0) -> EngineReading:
+    """Waiting and running requests and KV-cache usage (0..1) from an engine's metrics.
+
+    Whichever engine's names appear are used (vLLM, SGLang, TGI, llama.cpp);
+    samples of one name are summed (vLLM labels them per model).
+    """
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    waiting = next((values[n] for n in WAITING_METRICS if n in values), None)
-    kv = next((values[n] for n in KV_CACHE_METRICS if n in values), None)
-    return waiting, kv
+
+    def first(names: tuple[str, ...]) -> float | None:
+        return next((values[n] for n in names if n in values), None)
+
+    return EngineReading(
+        at, first(WAITING_METRICS), first(KV_CACHE_METRICS), first(RUNNING_METRICS)
+    )
 
 
 class Health:
@@ -240,11 +256,19 @@ class Health:
                 if resp.status != 200:
                     return
                 text = await resp.text()
-            waiting, kv = parse_engine_metrics(text)
+            reading = parse_engine_metrics(text, self._clock.now())
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return  # the last reading goes stale; dispatch falls back to seat counting
-        self._readings[replica.name] = EngineReading(self._clock.now(), waiting, kv)
+        self._readings[replica.name] = reading
         self.refresh_saturation()
+
+    def engine_reading(self, name: str) -> EngineReading | None:
+        """The last fresh engine reading of a replica (``/admin/state``), None when stale."""
+        reading = self._readings.get(name)
+        stale_s = self._config.saturation.stale_ms / 1000.0
+        if reading is None or self._clock.now() - reading.at > stale_s:
+            return None
+        return reading
 
     def refresh_saturation(self) -> None:
         """Mark replicas saturated from fresh readings only; stale ones count as not."""

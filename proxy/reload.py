@@ -101,6 +101,7 @@ def apply_config(runtime: Runtime, config: Config) -> None:
             existing.config = replica_config
             existing.url = replica_config.url
             existing.limit = replica_config.max_concurrency
+            existing.headroom = replica_config.headroom
             existing.api_key = api_key
             continue
         replica = Replica(replica_config, api_key=api_key)

@@ -1,7 +1,9 @@
 """Replica seats: who may receive work, and how many requests each runs.
 
 Each replica has ``max_concurrency`` seats (the knee found by the staircase
-test). ``ReplicaPool.choose`` picks the available replica with the lowest
+test), plus optional ``headroom`` seats above the knee that only a tenant
+below its fair share may take (``usage.py`` says why).
+``ReplicaPool.choose`` picks the available replica with the lowest
 in-flight/limit ratio, ties broken at random, so load spreads evenly without a
 central counter. A ``Seat`` is the lease on one of those places; releasing it
 twice is harmless, which lets every path release in ``finally`` without
@@ -12,6 +14,7 @@ only flip the flags this module reads.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Callable, Iterable
 from typing import NewType
@@ -33,6 +36,7 @@ class Replica:
         "ejections",
         "failures",
         "gpu_guarded",
+        "headroom",
         "inflight",
         "limit",
         "name",
@@ -47,6 +51,7 @@ class Replica:
         self.name = ReplicaName(config.name)
         self.url = config.url
         self.limit = config.max_concurrency
+        self.headroom = config.headroom
         self.api_key = api_key
         self.inflight = 0
         self.ejected = False
@@ -76,6 +81,11 @@ class Replica:
     @property
     def has_free_seat(self) -> bool:
         return self.dispatchable and self.inflight < self.limit
+
+    @property
+    def has_headroom_seat(self) -> bool:
+        """A seat above the knee is free (for tenants below their fair share)."""
+        return self.dispatchable and self.inflight < self.limit + self.headroom
 
     @property
     def load(self) -> float:
@@ -151,18 +161,23 @@ class ReplicaPool:
         return self._by_name.get(ReplicaName(name))
 
     def choose(
-        self, exclude: frozenset[ReplicaName] = frozenset(), *, strict: bool = False
+        self,
+        exclude: frozenset[ReplicaName] = frozenset(),
+        *,
+        strict: bool = False,
+        headroom: bool = False,
     ) -> Replica | None:
         """The free replica with the lowest load ratio.
 
         ``exclude`` is a preference: an excluded replica is chosen only when
-        no other is free, and never when ``strict``.
+        no other is free, and never when ``strict``. With ``headroom``, seats
+        above the knee count as free too.
         """
         best: list[Replica] = []
-        best_load = 2.0
+        best_load = math.inf
         fallback: list[Replica] = []
         for replica in self._by_name.values():
-            if not replica.has_free_seat:
+            if not (replica.has_headroom_seat if headroom else replica.has_free_seat):
                 continue
             if replica.name in exclude:
                 fallback.append(replica)
@@ -214,6 +229,9 @@ class ReplicaPool:
         if replica.retired and replica.inflight == 0:
             self._by_name.pop(replica.name, None)
         self._on_free()
+
+    def offers_headroom(self) -> bool:
+        return any(r.headroom for r in self._by_name.values())
 
     def total_inflight(self) -> int:
         return sum(r.inflight for r in self._by_name.values())

@@ -205,6 +205,11 @@ class ReplicaConfig(_Section):
     name: Name
     url: HttpUrlStr
     max_concurrency: int = Field(ge=1)
+    #: Seats above the knee that only tenants below their fair share may take:
+    #: a light tenant then starts at once while a flood holds every regular
+    #: seat. The engine must have the room (vLLM ``max_num_seqs``, llama.cpp
+    #: ``--parallel`` at least ``max_concurrency + headroom``).
+    headroom: int = Field(default=0, ge=0)
     metrics_url: HttpUrlStr | None = None
     api_key_env: str | None = None
     ca_file: str | None = None

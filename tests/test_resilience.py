@@ -242,6 +242,39 @@ async def test_real_engine_metrics_are_read(start_proxy: Start, sims: list[SimSe
     reading = proxy.runtime.health._readings["r0"]
     assert reading.waiting == 0 and reading.kv_cache is not None
     assert not proxy.runtime.pool.replicas[0].saturated
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["replicas"]["r0"]["engine"]["waiting"] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "waiting", "running", "kv"),
+    [
+        (
+            'vllm:num_requests_waiting{model_name="m"} 3\n'
+            'vllm:num_requests_running{model_name="m"} 7\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n',
+            3, 7, 0.5,
+        ),
+        ("sglang:num_queue_reqs 2\nsglang:num_running_reqs 5\nsglang:token_usage 0.25\n",
+         2, 5, 0.25),
+        ("tgi_queue_size 4\ntgi_batch_current_size 6\n", 4, 6, None),
+        (
+            "# HELP llamacpp:requests_deferred Number of requests deferred.\n"
+            "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 1\n"
+            "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n",
+            1, 2, None,
+        ),
+        ("# an engine without these metrics\nother_metric 1\n", None, None, None),
+    ],
+    ids=["vllm", "sglang", "tgi", "llamacpp", "unknown"],
+)  # fmt: skip
+def test_engine_metrics_of_every_engine_are_understood(
+    text: str, waiting: float | None, running: float | None, kv: float | None
+) -> None:
+    from proxy.health import parse_engine_metrics
+
+    reading = parse_engine_metrics(text, at=1.0)
+    assert (reading.waiting, reading.running, reading.kv_cache) == (waiting, running, kv)
 
 
 def health_reading(proxy: ProxyUnderTest, waiting: float) -> Any:
