@@ -187,6 +187,7 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
         headers=headers,
         body=admitted.body,
         streaming=admitted.streaming,
+        resend_on_stale=admitted.inference,
     )
 
 

@@ -50,6 +50,9 @@ class UpstreamRequest:
     headers: CIMultiDict[str]
     body: bytes
     streaming: bool
+    #: May go out again when a pooled connection turns out dead before any
+    #: answer (inference routes: a repeat before the first byte is safe).
+    resend_on_stale: bool = False
 
 
 class Expiry:
@@ -138,6 +141,14 @@ async def attempt(
 
     On any failure the response (if any) is closed before the error is raised,
     so a failed attempt never leaks a connection.
+
+    A kept-alive connection the replica closed meanwhile fails before any
+    answer; the request is then sent once more at once, on a new connection,
+    inside the same attempt and timers (``resend_on_stale``, at most
+    ``STALE_RESENDS`` times). llama.cpp's
+    server does this after every streamed answer while advertising
+    keep-alive, so every second request would otherwise fail (and count
+    toward ejection); Go's net/http retries the same case the same way.
     """
     sent_at = clock.now()
     if request.streaming:
@@ -151,14 +162,16 @@ async def attempt(
     response: aiohttp.ClientResponse | None = None
     try:
         with Expiry(wait_until - sent_at):
-            response = await session.request(
-                request.method,
-                replica.url + request.path_qs,
-                headers=headers,
-                skip_auto_headers=None if "User-Agent" in headers else NO_USER_AGENT,
-                data=request.body if request.body else None,
-                allow_redirects=False,
-            )
+            resends = STALE_RESENDS if request.resend_on_stale else 0
+            while True:
+                try:
+                    response = await _send(session, replica, request, headers)
+                    break
+                except STALE_CONNECTION as exc:
+                    # A refused connection is a dead replica, not a stale one.
+                    if not resends or isinstance(exc, aiohttp.ClientConnectorError):
+                        raise
+                    resends -= 1
             first_chunk = await response.content.readany()
     except aiohttp.ClientError as exc:
         # Before TimeoutError: aiohttp's connect timeout is a subclass of both.
@@ -182,6 +195,29 @@ async def attempt(
             response.close()
         raise
     return Committed(response, first_chunk, sent_at, clock.now())
+
+
+#: A pooled connection the peer closed shows up as one of these before any answer.
+#: Several may sit in the pool when several streams ended at once; each resend
+#: that meets one discards it, and a refused connect ends the loop at once.
+STALE_RESENDS = 2
+STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    replica: Replica,
+    request: UpstreamRequest,
+    headers: CIMultiDict[str],
+) -> aiohttp.ClientResponse:
+    return await session.request(
+        request.method,
+        replica.url + request.path_qs,
+        headers=headers,
+        skip_auto_headers=None if "User-Agent" in headers else NO_USER_AGENT,
+        data=request.body if request.body else None,
+        allow_redirects=False,
+    )
 
 
 def translate(exc: aiohttp.ClientError, replica: Replica) -> ProxyError:

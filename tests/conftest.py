@@ -16,6 +16,9 @@ from proxy.settings import Config
 from tests.helpers import wait_for
 from tests.upstreams import UPSTREAM, Upstream, build_upstream
 
+#: Real-engine fixtures (llama-server), used by the ``engine``-marked tests.
+pytest_plugins = ("tests.engine",)
+
 ServerFactory = Callable[..., Awaitable[TestServer]]
 ClientFactory = Callable[..., Awaitable[TestClient[web.Request, web.Application]]]
 

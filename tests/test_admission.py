@@ -293,3 +293,40 @@ async def test_client_closing_after_done_frees_the_seat_at_once(
     metrics = await (await proxy.client.get("/metrics")).text()
     assert 'outcome="cancelled"' not in metrics
     assert 'outcome="completed"' in metrics
+
+
+async def test_a_kept_alive_connection_the_replica_dropped_is_resent_not_failed(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """The replica closes a pooled connection after a stream (as llama-server does):
+    the next request on it is sent again on a new connection, in the same attempt,
+    with no retry, no error and no mark against the replica."""
+    proxy = await start_proxy(make_config([upstream_url], retry={"max_attempts": 1}))
+    stream = {"messages": [], "max_tokens": 2, "stream": True, "stale_after": True}
+    for _ in range(3):
+        async with proxy.client.post(CHAT, json=stream, headers=AUTH) as first:
+            assert first.status == 200
+            await first.read()
+        second = await proxy.client.post(CHAT, json={"messages": [], "max_tokens": 2}, headers=AUTH)
+        assert second.status == 200, await second.text()
+    assert upstream_state.stale_hits >= 1, "the test never hit a dead pooled connection"
+    replica = proxy.runtime.pool.replicas[0]
+    assert replica.failures == 0 and not replica.ejected
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
+    proxy.assert_idle()
+
+
+async def test_a_dropped_connection_is_not_resent_on_other_routes(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """Outside inference routes a repeat may have side effects: the failure stands."""
+    proxy = await start_proxy(make_config([upstream_url], retry={"max_attempts": 1}))
+    stream = {"messages": [], "max_tokens": 2, "stream": True, "stale_after": True}
+    async with proxy.client.post(CHAT, json=stream, headers=AUTH) as first:
+        await first.read()
+    other = await proxy.client.post("/v1/other", data=b"x", headers=AUTH)
+    assert upstream_state.stale_hits == 1
+    assert other.status == 502
+    assert other.headers["X-Admission-Reason"] == "upstream_protocol_error"
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
+    proxy.assert_idle()

@@ -4,6 +4,7 @@ SSE reading, and the bounds of the closed and open loops."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -27,6 +28,7 @@ from proxy.loadtest.timeline import (
     summarise_phases,
 )
 from proxy.loadtest.workload import Phase, Slo, parse_workload
+from tests.upstreams import UPSTREAM, build_upstream
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
 
@@ -286,6 +288,34 @@ async def test_send_one_names_a_refused_connection() -> None:
             zero=time.perf_counter(),
         )
     assert outcome.error == "connect_error" and not math.isnan(outcome.ended_at)
+
+
+async def test_send_one_resends_on_a_connection_the_replica_dropped(
+    aiohttp_server: ServerFactory,
+) -> None:
+    """llama-server closes the connection after a stream; the next request is sent
+    again on a new connection instead of counting as an error."""
+    upstream = build_upstream()
+    server = await aiohttp_server(upstream)
+    url = str(server.make_url("")).rstrip("/")
+    headers = {"Content-Type": "application/json"}
+    doomed = RequestSpec(
+        "/v1/chat/completions",
+        json.dumps({"max_tokens": 2, "stream": True, "stale_after": True}).encode(),
+        headers, input_tokens=1, max_tokens=2,
+    )  # fmt: skip
+    plain = RequestSpec(
+        "/v1/chat/completions", b'{"max_tokens": 2}', headers, input_tokens=1, max_tokens=2,
+        stream=False,
+    )  # fmt: skip
+    async with make_session(1, 2.0) as session:
+        zero = time.perf_counter()
+        outcomes = []
+        for i in range(3):
+            outcomes.append(await send_one(session, url, doomed, index=2 * i, zero=zero))
+            outcomes.append(await send_one(session, url, plain, index=2 * i + 1, zero=zero))
+    assert upstream[UPSTREAM].stale_hits >= 1, "no request met a dropped connection"
+    assert [o.error for o in outcomes] == [None] * 6
 
 
 def test_queue_wait_sources() -> None:

@@ -7,7 +7,9 @@ Behaviour is chosen by the request path and the JSON body:
   role-only first chunk, ``n`` content chunks ``gap_ms`` apart, usage, [DONE].
   ``"hang_ms"`` delays everything before the first byte; ``"tail_ms"`` delays
   the end of the stream after ``[DONE]``; ``"cut_after"`` drops
-  the connection after that many content chunks.
+  the connection after that many content chunks; ``"stale_after": true``
+  keeps the connection open after the stream but drops, unanswered, the next
+  request that arrives on it (llama.cpp's server does this).
 - ``/status/{code}``: answers that status with a JSON body.
 - anything else: echoes method, path, headers and body length as JSON.
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from multidict import CIMultiDictProxy
 
 
@@ -33,6 +36,9 @@ class Upstream:
     active: int = 0
     aborted: int = 0
     completed: int = 0
+    #: Connections doomed by ``stale_after``, and requests dropped on them.
+    doomed: set[object] = field(default_factory=set)
+    stale_hits: int = 0
 
 
 UPSTREAM: web.AppKey[Upstream] = web.AppKey("upstream", Upstream)
@@ -88,6 +94,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         if body.get("tail_ms"):  # the HTTP terminator comes late (a slow last packet)
             await asyncio.sleep(body["tail_ms"] / 1000.0)
         await response.write_eof()
+        if body.get("stale_after"):
+            state.doomed.add(request.transport)
         state.completed += 1
         return response
     except (asyncio.CancelledError, ConnectionResetError):
@@ -117,8 +125,19 @@ async def echo(request: web.Request) -> web.Response:
     )
 
 
+@web.middleware
+async def drop_doomed(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A request on a connection doomed by ``stale_after`` gets no answer at all."""
+    state = request.app[UPSTREAM]
+    if request.transport is not None and request.transport in state.doomed:
+        state.stale_hits += 1
+        request.transport.abort()  # at once: nothing written after this leaves
+        return web.Response()
+    return await handler(request)
+
+
 def build_upstream() -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[drop_doomed])
     app[UPSTREAM] = Upstream()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_route("*", "/status/{code}", status)

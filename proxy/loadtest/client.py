@@ -132,6 +132,31 @@ def queue_wait(headers: Mapping[str, str]) -> tuple[float | None, str | None]:
     return None, None
 
 
+#: Resends of a request whose pooled connection turned out dead (see below).
+STALE_RESENDS = 2
+
+
+async def post_resending_stale(
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: Mapping[str, str]
+) -> aiohttp.ClientResponse:
+    """POST, sending again when a kept-alive connection was closed under us.
+
+    llama.cpp's server closes the connection after each streamed answer while
+    advertising keep-alive; the next request on it fails before any answer.
+    That is the client's pool, not the replica's capacity: counting it as an
+    error would end every staircase at its first level. A refused connection
+    is not retried.
+    """
+    resends = STALE_RESENDS
+    while True:
+        try:
+            return await session.post(url, data=body, headers=headers)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if not resends or isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+            resends -= 1
+
+
 async def send_one(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -152,7 +177,8 @@ async def send_one(
         due_at=due_at,
     )
     try:
-        async with session.post(base_url + spec.path, data=spec.body, headers=spec.headers) as resp:
+        resp = await post_resending_stale(session, base_url + spec.path, spec.body, spec.headers)
+        async with resp:
             result.status = resp.status
             result.reason = resp.headers.get("X-Admission-Reason")
             result.queue_ms, result.queue_source = queue_wait(resp.headers)
