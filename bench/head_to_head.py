@@ -1,17 +1,20 @@
-"""Head-to-head benchmark (issue 6): the same replicas direct, behind HAProxy, behind this proxy.
+"""Head-to-head benchmark (issues 6, 8): the same replicas direct, behind HAProxy, behind us.
 
-Two simulated replicas (``admission-proxy sim`` processes) whose engines run
-at most ``SLOTS`` sequences at once, the knee: beyond it an engine only queues
-(unbounded), so throughput is flat and latency climbs. Three targets front
-the same two replicas in one run:
+Two replicas whose engines run at most ``slots`` sequences at once, the knee:
+beyond it an engine only queues (unbounded), so throughput is flat and
+latency climbs. ``--engine sim`` (the default): two ``admission-proxy sim``
+processes. ``--engine llama``: two real ``llama-server`` processes
+(``--parallel 4``, one thread each, the tiny model of
+``scripts/real-engine``), with longer answers and an SLO scaled to them.
+Three targets front the same two replicas in one run:
 
 - ``direct``: clients straight to the replicas, round-robin;
 - ``haproxy``: HAProxy from Debian's packages, ``balance leastconn``,
-  ``server ... maxconn SLOTS``, ``timeout queue`` at the queue budget;
-- ``proxy``: ``admission-proxy serve``, ``max_concurrency: SLOTS`` per
+  ``server ... maxconn slots``, ``timeout queue`` at the queue budget;
+- ``proxy``: ``admission-proxy serve``, ``max_concurrency: slots`` per
   replica, ``budgets.queue_ms`` at the same queue budget, one tenant.
 
-Capacity is measured first, in the same run: a closed loop of ``SLOTS``
+Capacity is measured first, in the same run: a closed loop of ``slots``
 clients per replica straight to the replicas. Then, for each load multiple
 (1, 2 and 3 times capacity), every target gets the same open-loop Poisson
 arrivals of streamed chat requests, whose clients give up at the SLO's total
@@ -24,7 +27,8 @@ Every server is a child process on a loopback port, stopped in ``finally``,
 also on Ctrl-C. HAProxy is installed with apt-get when missing; when that
 fails, HAProxy is marked "not measured" and the other targets still run.
 
-    .venv/bin/python -m bench.head_to_head [--seconds 20] [--warmup 2] [--quick]
+    .venv/bin/python -m bench.head_to_head [--engine sim|llama] [--seconds 20] [--warmup 2]
+        [--quick]
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from bench.head_to_head_report import (
     verdicts,
 )
 from bench.head_to_head_traffic import (
+    MODEL,
     Shape,
     closed_loop,
     make_session,
@@ -80,6 +85,8 @@ from bench.processes import (
     wait_ready,
 )
 from proxy.settings import ConfigError, parse_config
+from scripts.real_engine import MissingToolchain
+from scripts.real_engine import ensure as ensure_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "head_to_head.json"
@@ -89,38 +96,59 @@ LOADS = (1.0, 2.0, 3.0)
 # -- the replicas: the same engines behind every target ---------------------------------
 
 REPLICAS = 2
-#: Sequences an engine runs at once: the knee, since past it the engine only
-#: queues. HAProxy's ``maxconn`` and the proxy's ``max_concurrency`` per replica.
-SLOTS = 8
 #: A slower "GPU" than the simulator's default, so two replicas at 3x capacity
 #: stay within what two shared cores can drive: a decode step of 20 ms plus
 #: 2.5 ms per running sequence (40 ms at the knee), prefill 0.05 ms per token.
 SIM_ARGS = ("--decode-base-ms", "20", "--decode-per-seq-ms", "2.5",
             "--prefill-ms-per-token", "0.05")  # fmt: skip
-#: About 22 to 37 prompt tokens, 8 to 24 output tokens (0.3 to 1 s at the knee).
-SHAPE = Shape(prompt_words=(15, 25), max_tokens=(8, 24))
-
-# -- the SLO and the budgets every front gets --------------------------------------------
-
-#: Time to first token and total time; clients give up at the total.
-SLO = Slo(ttft_ms=1500.0, total_ms=2500.0)
-#: The longest wait in a front's queue: HAProxy's ``timeout queue``, this
-#: proxy's ``budgets.queue_ms``. The TTFT SLO leaves 500 ms after it for the first token.
-QUEUE_MS = 1000
-#: This proxy's ``first_byte_ms``: dispatch to the first upstream byte, the
-#: part of the TTFT SLO that the queue budget leaves.
-FIRST_BYTE_MS = int(SLO.ttft_ms) - QUEUE_MS
 CONNECT_MS = 1000
 #: The tenant queue holds twice what the replicas can serve within the queue budget.
 QUEUE_CAPACITY_FACTOR = 2.0
 TENANT = "bench"
 API_KEY = "sk-bench-head-to-head"
-#: The same headers to every target: HAProxy and the replicas ignore the key and the timeout.
-HEADERS = {
-    "Authorization": f"Bearer {API_KEY}",
-    "Content-Type": "application/json",
-    "X-Request-Timeout-Ms": str(int(SLO.total_ms)),
-}
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What differs between the engines: slots, request sizes, the SLO and budgets."""
+
+    engine: str
+    #: Sequences an engine runs at once: the knee, since past it the engine only
+    #: queues. HAProxy's ``maxconn`` and the proxy's ``max_concurrency`` per replica.
+    slots: int
+    shape: Shape
+    #: Time to first token and total time; clients give up at the total.
+    slo: Slo
+    #: The longest wait in a front's queue: HAProxy's ``timeout queue``, this
+    #: proxy's ``budgets.queue_ms``. The TTFT SLO leaves the rest for the first token.
+    queue_ms: int
+
+    @property
+    def first_byte_ms(self) -> int:
+        """This proxy's ``first_byte_ms``: the part of the TTFT SLO the queue leaves."""
+        return int(self.slo.ttft_ms) - self.queue_ms
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The same to every target: HAProxy and the replicas ignore the key and timeout."""
+        return {
+            "Authorization": f"Bearer {API_KEY}",
+            "Content-Type": "application/json",
+            "X-Request-Timeout-Ms": str(int(self.slo.total_ms)),
+        }
+
+
+SETUPS = {
+    # About 22 to 37 prompt tokens, 8 to 24 output tokens (0.3 to 1 s at the knee).
+    "sim": Setup("sim", slots=8, shape=Shape(prompt_words=(15, 25), max_tokens=(8, 24)),
+                 slo=Slo(ttft_ms=1500.0, total_ms=2500.0), queue_ms=1000),
+    # llama.cpp's tiny model decodes about 1,000 tokens/s per sequence on one
+    # thread: 200 to 600 tokens keep the engines, not the fronts or the load
+    # generator, the bottleneck on two cores (about 0.3 to 1 s at the knee).
+    "llama": Setup("llama", slots=4,
+                   shape=Shape(prompt_words=(15, 25), max_tokens=(200, 600), ignore_eos=True),
+                   slo=Slo(ttft_ms=1500.0, total_ms=3000.0), queue_ms=1000),
+}  # fmt: skip
 
 # -- timing -----------------------------------------------------------------------------
 
@@ -167,23 +195,32 @@ def fleet() -> Iterator[Fleet]:
             stop_server(server)
 
 
-def start_sims(running: Fleet, workdir: Path) -> None:
+def start_replicas(setup: Setup, running: Fleet, workdir: Path) -> None:
+    engine = ensure_engine() if setup.engine == "llama" else None
     for index in range(REPLICAS):
         port = free_port()
-        argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port),
-                "--slots", str(SLOTS), "--seed", str(index), *SIM_ARGS]  # fmt: skip
-        running.sims.append(start_server(f"sim-{index}", argv, port, "/health", workdir, _env()))
+        if engine is None:
+            argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port),
+                    "--slots", str(setup.slots), "--seed", str(index), *SIM_ARGS]  # fmt: skip
+        else:
+            # One thread each: two engines on two cores (DESIGN, engines on two cores).
+            argv = [str(engine.server), "-m", str(engine.model), "--host", "127.0.0.1",
+                    "--port", str(port), "--parallel", str(setup.slots),
+                    "-c", str(4096 * setup.slots), "-t", "1", "--metrics", "--no-webui",
+                    "-a", MODEL]  # fmt: skip
+        name = f"{setup.engine}-{index}"
+        running.sims.append(start_server(name, argv, port, "/health", workdir, _env()))
 
 
-def proxy_config(port: int, sim_urls: Sequence[str], queue_capacity: int) -> str:
+def proxy_config(setup: Setup, port: int, sim_urls: Sequence[str], queue_capacity: int) -> str:
     document = {
         "server": {"host": "127.0.0.1", "port": port},
         "replicas": [
-            {"name": f"sim-{i}", "url": url, "max_concurrency": SLOTS}
+            {"name": f"{setup.engine}-{i}", "url": url, "max_concurrency": setup.slots}
             for i, url in enumerate(sim_urls)
         ],
-        "budgets": {"queue_ms": QUEUE_MS, "first_byte_ms": FIRST_BYTE_MS,
-                    "total_ms": int(SLO.total_ms)},
+        "budgets": {"queue_ms": setup.queue_ms, "first_byte_ms": setup.first_byte_ms,
+                    "total_ms": int(setup.slo.total_ms)},
         "timeouts": {"connect_ms": CONNECT_MS},
         "tenants": {TENANT: {"api_keys": [API_KEY], "queue_capacity": queue_capacity}},
     }  # fmt: skip
@@ -192,21 +229,21 @@ def proxy_config(port: int, sim_urls: Sequence[str], queue_capacity: int) -> str
     return text
 
 
-def start_proxy(running: Fleet, workdir: Path, queue_capacity: int) -> str:
+def start_proxy(setup: Setup, running: Fleet, workdir: Path, queue_capacity: int) -> str:
     port = free_port()
     config = workdir / "proxy.yaml"
-    config.write_text(proxy_config(port, [s.url for s in running.sims], queue_capacity))
+    config.write_text(proxy_config(setup, port, [s.url for s in running.sims], queue_capacity))
     argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port)]
     running.fronts["proxy"] = start_server("proxy", argv, port, "/readyz", workdir, _env())
     return config.read_text()
 
 
-def start_haproxy(running: Fleet, workdir: Path, path: str) -> str:
+def start_haproxy(setup: Setup, running: Fleet, workdir: Path, path: str) -> str:
     port = free_port()
     replicas = [(f"sim-{i}", s.url.removeprefix("http://")) for i, s in enumerate(running.sims)]
     text = haproxy.render_config(
-        port, replicas, maxconn=SLOTS, queue_ms=QUEUE_MS, total_ms=int(SLO.total_ms),
-        connect_ms=CONNECT_MS,
+        port, replicas, maxconn=setup.slots, queue_ms=setup.queue_ms,
+        total_ms=int(setup.slo.total_ms), connect_ms=CONNECT_MS,
     )  # fmt: skip
     config = workdir / "haproxy.cfg"
     config.write_text(text)
@@ -220,9 +257,30 @@ def start_haproxy(running: Fleet, workdir: Path, path: str) -> str:
 # -- measuring --------------------------------------------------------------------------
 
 
+#: llama.cpp's metrics under the simulator's counter names (it counts no requests).
+LLAMA_STATS = {
+    "llamacpp:tokens_predicted_total": "tokens_generated",
+    "llamacpp:n_decode_total": "steps",
+    "llamacpp:requests_processing": "running",
+    "llamacpp:requests_deferred": "waiting",
+}
+
+
 async def sim_stats(session: aiohttp.ClientSession, sims: Sequence[Server]) -> list[dict[str, Any]]:
+    """Each engine's counters: ``/sim/stats``, or llama.cpp's ``/metrics`` renamed."""
     stats = []
     for sim in sims:
+        if sim.name.startswith("llama"):
+            async with session.get(sim.url + "/metrics") as response:
+                text = await response.text()
+            values = {
+                LLAMA_STATS[sample.name]: sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name in LLAMA_STATS
+            }
+            stats.append(values)
+            continue
         async with session.get(sim.url + "/sim/stats") as response:
             stats.append(await response.json())
     return stats
@@ -240,14 +298,14 @@ async def wait_sims_idle(session: aiohttp.ClientSession, sims: Sequence[Server])
         await asyncio.sleep(0.1)
 
 
-async def measure_capacity(running: Fleet, seconds: float) -> tuple[float, int]:
-    """Requests per second at the knee: ``SLOTS`` closed-loop clients per replica."""
+async def measure_capacity(setup: Setup, running: Fleet, seconds: float) -> tuple[float, int]:
+    """Requests per second at the knee: ``slots`` closed-loop clients per replica."""
     async with make_session(CONNECT_MS / 1000.0) as session:
         for sim in running.sims:
             await wait_ready(session, sim, READY_TIMEOUT_S)
         completed, failed = await closed_loop(
-            session, [s.url for s in running.sims], HEADERS, SLOTS * REPLICAS,
-            CAPACITY_WARMUP_S, seconds, SHAPE, deadline_s=30.0,
+            session, [s.url for s in running.sims], setup.headers, setup.slots * REPLICAS,
+            CAPACITY_WARMUP_S, seconds, setup.shape, deadline_s=30.0,
         )  # fmt: skip
         await wait_sims_idle(session, running.sims)
     return completed / seconds, failed
@@ -293,10 +351,17 @@ def _machine_cpu() -> float:
 
 
 async def run_phase(
-    running: Fleet, target: str, load: float, rate: float, seconds: float, warmup_s: float
+    setup: Setup,
+    running: Fleet,
+    target: str,
+    load: float,
+    rate: float,
+    seconds: float,
+    warmup_s: float,
 ) -> Phase:
     urls = [s.url for s in running.sims] if target == "direct" else [running.fronts[target].url]
-    arrivals = poisson_arrivals(rate, warmup_s, seconds, SHAPE, seed=f"load:{load:g}")
+    arrivals = poisson_arrivals(rate, warmup_s, seconds, setup.shape, seed=f"load:{load:g}")
+    slo = setup.slo
     front = running.fronts.get(target)
     async with make_session(CONNECT_MS / 1000.0) as session:
         before = await sim_stats(session, running.sims)
@@ -306,7 +371,9 @@ async def run_phase(
         overflows = listen_overflows()
         window = asyncio.create_task(window_stats(session, running.sims, warmup_s, seconds))
         try:
-            outcomes = await open_loop(session, urls, HEADERS, arrivals, SLO.total_ms / 1000.0)
+            outcomes = await open_loop(
+                session, urls, setup.headers, arrivals, slo.total_ms / 1000.0
+            )
             in_window = await window
         finally:
             window.cancel()
@@ -314,7 +381,7 @@ async def run_phase(
         after = await sim_stats(session, running.sims)
         outcomes_after = await front_outcomes(session, front)
     phase = summarize(
-        target, load, rate, seconds, outcomes, SLO, engine_delta(before, after), in_window
+        target, load, rate, seconds, outcomes, slo, engine_delta(before, after), in_window
     )
     phase.cpu_s = {
         "loadgen": _own_cpu() - cpu[0],
@@ -336,6 +403,7 @@ async def run_phase(
 
 
 async def bench(args: argparse.Namespace, workdir: Path, record: dict[str, Any]) -> list[Phase]:
+    setup: Setup = args.setup
     install = await asyncio.to_thread(haproxy.ensure_haproxy)
     record["haproxy"] = {"path": install.path, "version": install.version, "how": install.how}
     print(f"haproxy: {install.how}" + (f" ({install.version})" if install.version else ""))
@@ -343,18 +411,18 @@ async def bench(args: argparse.Namespace, workdir: Path, record: dict[str, Any])
         print("haproxy: NOT MEASURED; running the other targets", flush=True)
     phases: list[Phase] = []
     with fleet() as running:
-        start_sims(running, workdir)
-        capacity, failed = await measure_capacity(running, args.capacity_seconds)
+        await asyncio.to_thread(start_replicas, setup, running, workdir)
+        capacity, failed = await measure_capacity(setup, running, args.capacity_seconds)
         if capacity <= 0 or failed:
             raise RuntimeError(f"capacity run: {capacity:.1f} req/s with {failed} failures")
-        queue_capacity = math.ceil(QUEUE_CAPACITY_FACTOR * capacity * QUEUE_MS / 1000.0)
+        queue_capacity = math.ceil(QUEUE_CAPACITY_FACTOR * capacity * setup.queue_ms / 1000.0)
         record["capacity_rps"] = capacity
         record["proxy_queue_capacity"] = queue_capacity
-        print(f"capacity at the knee ({SLOTS} x {REPLICAS} closed-loop clients, direct): "
+        print(f"capacity at the knee ({setup.slots} x {REPLICAS} closed-loop clients, direct): "
               f"{capacity:.2f} req/s", flush=True)  # fmt: skip
-        record["proxy_config"] = start_proxy(running, workdir, queue_capacity)
+        record["proxy_config"] = start_proxy(setup, running, workdir, queue_capacity)
         if install.path is not None:
-            record["haproxy_config"] = start_haproxy(running, workdir, install.path)
+            record["haproxy_config"] = start_haproxy(setup, running, workdir, install.path)
         async with make_session(CONNECT_MS / 1000.0) as session:
             for server in running.fronts.values():
                 await wait_ready(session, server, READY_TIMEOUT_S)
@@ -362,7 +430,7 @@ async def bench(args: argparse.Namespace, workdir: Path, record: dict[str, Any])
         for load in LOADS:
             for target in targets:
                 phase = await run_phase(
-                    running, target, load, load * capacity, args.seconds, args.warmup
+                    setup, running, target, load, load * capacity, args.seconds, args.warmup
                 )
                 phases.append(phase)
                 print(f"  {target:8} {load:g}x: offered {phase.offered_rps:6.1f}/s, goodput "
@@ -409,7 +477,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"a smoke run: {QUICK_SECONDS:g} s per phase, {QUICK_WARMUP_S:g} s warm-up",
     )
-    add("--output", type=Path, default=RESULTS, help="JSON results file")
+    add(
+        "--engine",
+        choices=sorted(SETUPS),
+        default="sim",
+        help="the replicas: simulated, or real llama-server (built by scripts/real-engine)",
+    )
+    add("--output", type=Path, default=None, help="JSON results file")
     return parser
 
 
@@ -419,6 +493,10 @@ def _resolve(args: argparse.Namespace) -> None:
     if args.warmup is None:
         args.warmup = QUICK_WARMUP_S if args.quick else DEFAULT_WARMUP_S
     args.capacity_seconds = QUICK_CAPACITY_S if args.quick else CAPACITY_S
+    args.setup = SETUPS[args.engine]
+    if args.output is None:
+        suffix = "" if args.engine == "sim" else f"_{args.engine}"
+        args.output = RESULTS.with_name(f"head_to_head{suffix}.json")
     if args.seconds <= 0 or args.warmup < 0:
         raise SystemExit("--seconds must be > 0 and --warmup >= 0")
 
@@ -427,10 +505,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _resolve(args)
     command = "python -m bench.head_to_head " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"head to head: {len(LOADS)} loads x {len(TARGETS)} targets, {args.seconds:g} s each "
-          f"(+{args.warmup:g} s warm-up); SLO TTFT {SLO.ttft_ms:.0f} ms, total "
-          f"{SLO.total_ms:.0f} ms; queue budget {QUEUE_MS} ms; {os.cpu_count()} CPUs shared",
-          flush=True)  # fmt: skip
+    setup: Setup = args.setup
+    print(f"head to head ({setup.engine} replicas): {len(LOADS)} loads x {len(TARGETS)} targets, "
+          f"{args.seconds:g} s each (+{args.warmup:g} s warm-up); SLO TTFT "
+          f"{setup.slo.ttft_ms:.0f} ms, total {setup.slo.total_ms:.0f} ms; queue budget "
+          f"{setup.queue_ms} ms; {os.cpu_count()} CPUs shared", flush=True)  # fmt: skip
     record: dict[str, Any] = {}
     started = time.monotonic()
     try:
@@ -439,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
         return 130
-    except (RuntimeError, ConfigError) as exc:
+    except (RuntimeError, ConfigError, MissingToolchain) as exc:
         print(f"head to head: {exc}", file=sys.stderr)
         return 1
     items = verdicts(phases, LOADS[-1], MIN_GOODPUT_RATIO)
@@ -455,9 +534,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "parameters": {
             "seconds": args.seconds, "warmup_s": args.warmup,
             "capacity_seconds": args.capacity_seconds, "loads": LOADS, "replicas": REPLICAS,
-            "slots": SLOTS, "sim_args": SIM_ARGS, "prompt_words": SHAPE.prompt_words,
-            "max_tokens": SHAPE.max_tokens, "slo": asdict(SLO), "queue_ms": QUEUE_MS,
-            "first_byte_ms": FIRST_BYTE_MS,
+            "engine": setup.engine, "slots": setup.slots,
+            "sim_args": SIM_ARGS if setup.engine == "sim" else None,
+            "prompt_words": setup.shape.prompt_words, "max_tokens": setup.shape.max_tokens,
+            "slo": asdict(setup.slo), "queue_ms": setup.queue_ms,
+            "first_byte_ms": setup.first_byte_ms,
         },
         **record,
         "revision": revision(),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from proxy.loadtest.client import post_resending_stale
 from proxy.sse import has_token
 
 PATH = "/v1/chat/completions"
@@ -50,17 +51,21 @@ class Shape:
 
     prompt_words: tuple[int, int]
     max_tokens: tuple[int, int]
+    #: Exactly ``max_tokens`` out of a random-weight llama.cpp model (the simulator ignores it).
+    ignore_eos: bool = False
 
     def body(self, rng: random.Random) -> tuple[bytes, int]:
         content = WORD * rng.randint(*self.prompt_words)
         max_tokens = rng.randint(*self.max_tokens)
-        body = {
+        body: dict[str, object] = {
             "model": MODEL,
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         return json.dumps(body).encode(), max_tokens
 
 
@@ -157,7 +162,9 @@ async def _exchange(
     outcome: Outcome,
     sent: float,
 ) -> None:
-    async with session.post(url, data=body, headers=headers) as response:
+    # llama-server drops a kept-alive connection after each stream: resend, as any client would.
+    response = await post_resending_stale(session, url, body, headers)
+    async with response:
         outcome.status = response.status
         if response.status != 200:
             await response.read()
