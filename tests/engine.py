@@ -124,13 +124,37 @@ class LlamaServer:
             return "(no log)"
 
 
+_built: Engine | MissingToolchain | None = None
+
+
+def _build() -> Engine | MissingToolchain:
+    global _built
+    if _built is None:
+        try:
+            _built = ensure(os.cpu_count())
+        except MissingToolchain as exc:
+            _built = exc
+    return _built
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Build the engine before any test runs when an engine test is selected.
+
+    The first build takes minutes; inside a fixture it would count against
+    the first engine test's timeout. ``scripts/test`` builds it even earlier,
+    in plain sight; this covers a bare ``pytest`` run.
+    """
+    if any(item.get_closest_marker("engine") for item in items):
+        _build()
+
+
 @pytest.fixture(scope="session")
 def real_engine() -> Engine:
-    """The built server and model; built here on the first run on a machine."""
-    try:
-        return ensure(os.cpu_count())
-    except MissingToolchain as exc:
-        pytest.skip(f"engine tests need a C++ toolchain to build llama-server: {exc}")
+    """The built server and model (``pytest_collection_modifyitems`` built them)."""
+    built = _build()
+    if isinstance(built, MissingToolchain):
+        pytest.skip(f"engine tests need a C++ toolchain to build llama-server: {built}")
+    return built
 
 
 @contextlib.contextmanager
