@@ -9,7 +9,6 @@ any other build failure fails them, so a broken build never hides as a skip.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -100,22 +99,6 @@ class LlamaServer:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-    def metrics(self) -> dict[str, float]:
-        """The server's Prometheus gauges and counters, by name (blocking, fast)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=2.0) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
-
-    def slots_busy(self) -> int:
-        with urllib.request.urlopen(self.url + "/slots", timeout=2.0) as response:
-            slots = json.loads(response.read())
-        return sum(1 for slot in slots if slot.get("is_processing"))
 
     def tail(self, lines: int = 30) -> str:
         try:

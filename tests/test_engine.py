@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -374,7 +375,8 @@ async def test_replica_killed_mid_stream_is_ejected_retried_around_warmed_and_re
 ) -> None:
     config = engine_config(
         crash_pair,
-        health={"interval_ms": 100, "eject_after_failures": 1, "eject_ms": 300},
+        # Probes a second apart: the first failed request, not a probe, ejects r1.
+        health={"interval_ms": 1000, "eject_after_failures": 1, "eject_ms": 300},
         retry={"max_attempts": 3, "base_backoff_ms": 20, "retry_on": ["connect_error"]},
         warmup={"requests": 1},
     )
@@ -392,17 +394,28 @@ async def test_replica_killed_mid_stream_is_ejected_retried_around_warmed_and_re
         assert [s.status for s in streams] == [200] * 4
         assert r1.inflight == 2
         victim.kill()
+        await wait_for(lambda: r1.inflight == 0, timeout_s=5)
+        # Sent while the survivor's streams still run: r1 now looks least loaded, its
+        # connection is refused, r1 is ejected at that failure, the request retried.
+        early = [
+            asyncio.create_task(session.post(proxy.url + CHAT, json=chat(16), headers=auth()))
+            for _ in range(2)
+        ]
         outcomes = await asyncio.gather(*(read_sse(s) for s in streams), return_exceptions=True)
         finished = [o for o in outcomes if isinstance(o, tuple) and o[1]]
         broken = [o for o in outcomes if not (isinstance(o, tuple) and o[1])]
         assert len(finished) == 2 and len(broken) == 2, "only the killed replica's streams break"
+        assert [r.status for r in await asyncio.gather(*early)] == [200, 200]
+        assert r1.ejected
+        metrics = await (await proxy.client.get("/metrics")).text()
+        retried = re.search(r'admission_retries_total\{reason="connect_error"\} (\S+)', metrics)
+        assert retried is not None and float(retried[1]) >= 1, "not-yet-started requests retried"
 
-        # Requests not yet started are retried on the survivor: none fails.
+        # While r1 is out, everything goes to the survivor: none fails.
         replies = await asyncio.gather(
             *(session.post(proxy.url + CHAT, json=chat(16), headers=auth()) for _ in range(6))
         )
         assert [r.status for r in replies] == [200] * 6
-        assert r1.ejected
 
         # Back on the same port: probed, warmed, then serving again.
         victim.start()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -14,6 +16,11 @@ from proxy.replicas import Replica, ReplicaPool
 from proxy.scheduler import FairScheduler
 from proxy.settings import BudgetsConfig, ReplicaConfig
 from proxy.usage import RecentUsage
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+CHAT = "/v1/chat/completions"
 
 WEIGHTS = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}
 BUDGETS = BudgetsConfig(queue_ms=1000, first_byte_ms=1000, total_ms=5000)
@@ -128,3 +135,36 @@ async def test_a_tenant_over_its_share_loses_headroom() -> None:
     # light is below 1/2 of the recent work for its first grant only: 10/(10+10) is not < 0.5.
     assert granted == 1
     assert d.scheduler.depth("light") == 7
+
+
+async def test_end_to_end_a_light_tenant_passes_a_queued_flood_on_headroom(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """Through the proxy: two seats held by the flood with two more of its requests
+    queued; the light tenant's request starts at once on a headroom seat and is
+    answered while the flood still waits."""
+    tenants = {
+        "flood": {"api_keys": [KEY_A]},
+        "light": {"api_keys": [KEY_B]},
+    }
+    replicas = [{"name": "r0", "url": upstream_url, "max_concurrency": 2, "headroom": 1}]
+    proxy = await start_proxy(make_config([upstream_url], tenants=tenants, replicas=replicas))
+    slow = {"messages": [], "max_tokens": 1, "hang_ms": 400}
+    flood = [
+        asyncio.create_task(
+            proxy.client.post(CHAT, json=slow, headers={"Authorization": f"Bearer {KEY_A}"})
+        )
+        for _ in range(4)
+    ]
+    await wait_for(lambda: proxy.runtime.dispatcher.queued() == 2)
+    light = await proxy.client.post(
+        CHAT, json={"messages": [], "max_tokens": 1}, headers={"Authorization": f"Bearer {KEY_B}"}
+    )
+    assert light.status == 200
+    assert proxy.runtime.dispatcher.queued() == 2, "the flood was still waiting"
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["headroom_grants"] == 1 and state["replicas"]["r0"]["headroom"] == 1
+    assert [r.status for r in await asyncio.gather(*flood)] == [200] * 4
+    assert proxy.runtime.dispatcher.headroom_grants == 1
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
+    proxy.assert_idle()
