@@ -12,8 +12,8 @@ and flags: another machine gets its own build. Everything lives under the
 cache folder (``ADMISSION_PROXY_ENGINE_CACHE`` or
 ``~/.cache/admission-proxy/llama.cpp``); nothing built is committed.
 
-Usage: ``scripts/real-engine [--print]`` builds what is missing and prints
-the two paths as ``SERVER=...`` and ``MODEL=...`` lines.
+Usage: ``scripts/real-engine [--jobs N]`` builds what is missing and prints
+the paths as ``SERVER=...``, ``MODEL=...`` and ``KNEE_MODEL=...`` lines.
 """
 
 from __future__ import annotations
@@ -36,8 +36,15 @@ from typing import Any
 
 SDIST_VERSION = "0.3.36"
 VOCAB_FILE = "ggml-vocab-llama-spm.gguf"
-# Two layers of 64 wide: 9 MB, loads in ~0.15 s, ~1-3k tokens/s on one core.
+# Two layers of 64 wide: 5 MB, loads in ~0.15 s, ~1-5k tokens/s on one core.
 MODEL_SHAPE = {"layers": 2, "embd": 64, "heads": 4, "ff": 128, "ctx": 16384}
+# For finding a knee: 120 MB of F32 weights, far more than the CPU's caches,
+# so each decode step is bound by reading them, as on a GPU, and a batch of 4
+# costs little more than one: throughput 5.1, 7.6, 9.6, 11.7 req/s at 1 to 4
+# sequences on two cores, flat after, and p99 up 1.7x at 4 but 3.5x at 6.
+# The tiny model sits in cache and is compute-bound: latency doubles by 2 or 3
+# sequences and the staircase's "p99 over twice the first" line fires early.
+KNEE_MODEL_SHAPE = {"layers": 4, "embd": 512, "heads": 8, "ff": 1536, "ctx": 16384, "f32": 1}
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -65,6 +72,8 @@ class MissingToolchain(RuntimeError):
 class Engine:
     server: Path
     model: Path
+    #: A larger random model whose batching gains make a clear knee (staircase tests).
+    knee_model: Path
 
 
 def cache_root() -> Path:
@@ -180,9 +189,10 @@ def build_server(root: Path, tree: Path, jobs: int) -> Path:
     return binary
 
 
-def write_model(root: Path, tree: Path) -> Path:
+def write_model(root: Path, tree: Path, shape: dict[str, int] | None = None) -> Path:
     """A random-weight llama model with the real SPM tokenizer."""
-    tag = hashlib.sha256(repr(sorted(MODEL_SHAPE.items())).encode()).hexdigest()[:8]
+    shape = shape or MODEL_SHAPE
+    tag = hashlib.sha256(repr(sorted(shape.items())).encode()).hexdigest()[:8]
     path = root / f"tiny-llama-{tag}.gguf"
     if path.exists():
         return path
@@ -212,10 +222,10 @@ def write_model(root: Path, tree: Path) -> Path:
 
     tokens = strings("tokenizer.ggml.tokens")
     n_vocab = len(tokens)
-    layers, embd, heads, ff = (MODEL_SHAPE[k] for k in ("layers", "embd", "heads", "ff"))
+    layers, embd, heads, ff = (shape[k] for k in ("layers", "embd", "heads", "ff"))
     writer = gguf.GGUFWriter(str(path) + ".tmp", arch="llama")
     writer.add_name("admission-proxy tiny random llama")
-    writer.add_context_length(MODEL_SHAPE["ctx"])
+    writer.add_context_length(shape["ctx"])
     writer.add_embedding_length(embd)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(ff)
@@ -225,7 +235,8 @@ def write_model(root: Path, tree: Path) -> Path:
     writer.add_rope_dimension_count(embd // heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(n_vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    f32 = bool(shape.get("f32"))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_F16)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre(
         strings("tokenizer.ggml.pre")[0] if vocab.get_field("tokenizer.ggml.pre") else "default"
@@ -241,8 +252,8 @@ def write_model(root: Path, tree: Path) -> Path:
 
     rng = np.random.default_rng(20261130)
 
-    def weight(*shape: int) -> np.ndarray[Any, Any]:
-        return (rng.standard_normal(shape) * 0.02).astype(np.float16)
+    def weight(*dims: int) -> np.ndarray[Any, Any]:
+        return (rng.standard_normal(dims) * 0.02).astype(np.float32 if f32 else np.float16)
 
     def norm(size: int) -> np.ndarray[Any, Any]:
         return np.ones(size, dtype=np.float32)
@@ -275,7 +286,8 @@ def ensure(jobs: int | None = None) -> Engine:
         tree = source_tree(root)
         server = build_server(root, tree, jobs or os.cpu_count() or 2)
         model = write_model(root, tree)
-    return Engine(server=server, model=model)
+        knee_model = write_model(root, tree, KNEE_MODEL_SHAPE)
+    return Engine(server=server, model=model, knee_model=knee_model)
 
 
 def main() -> int:
@@ -289,6 +301,7 @@ def main() -> int:
         return 3
     print(f"SERVER={engine.server}")
     print(f"MODEL={engine.model}")
+    print(f"KNEE_MODEL={engine.knee_model}")
     return 0
 
 

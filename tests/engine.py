@@ -39,9 +39,17 @@ class LlamaServer:
     """One ``llama-server`` child process; ``kill`` and ``start`` again keep the port."""
 
     def __init__(
-        self, engine: Engine, log_dir: Path, name: str, *, parallel: int, threads: int = 1
+        self,
+        engine: Engine,
+        log_dir: Path,
+        name: str,
+        *,
+        parallel: int,
+        threads: int = 1,
+        model: Path | None = None,
     ) -> None:
         self.engine = engine
+        self.model = model or engine.model
         self.name = name
         self.parallel = parallel
         self.threads = threads
@@ -56,7 +64,7 @@ class LlamaServer:
     def start(self) -> None:
         argv = [
             str(self.engine.server),
-            "-m", str(self.engine.model),
+            "-m", str(self.model),
             "--host", "127.0.0.1",
             "--port", str(self.port),
             "--parallel", str(self.parallel),
@@ -142,10 +150,16 @@ def real_engine() -> Engine:
 
 @contextlib.contextmanager
 def llama_servers(
-    engine: Engine, log_dir: Path, count: int, *, parallel: int, threads: int = 1
+    engine: Engine,
+    log_dir: Path,
+    count: int,
+    *,
+    parallel: int,
+    threads: int = 1,
+    model: Path | None = None,
 ) -> Iterator[list[LlamaServer]]:
     servers = [
-        LlamaServer(engine, log_dir, f"llama-{i}", parallel=parallel, threads=threads)
+        LlamaServer(engine, log_dir, f"llama-{i}", parallel=parallel, threads=threads, model=model)
         for i in range(count)
     ]
     try:
