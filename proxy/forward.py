@@ -36,6 +36,8 @@ NOT_FORWARDED = HOP_BY_HOP | {
     "authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
     "x-request-timeout-ms", "x-request-id", "x-forwarded-for",
 }  # fmt: skip
+#: Methods whose repeat has no effect of its own (RFC 9110 section 9.2.1).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class Lease:
@@ -187,7 +189,9 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
         headers=headers,
         body=admitted.body,
         streaming=admitted.streaming,
-        resend_on_stale=admitted.inference,
+        # Inference routes are safe to repeat before the first byte (DESIGN
+        # section 5), and so are safe methods anywhere (RFC 9110 section 9.2.1).
+        resend_on_stale=admitted.inference or request.method in SAFE_METHODS,
     )
 
 

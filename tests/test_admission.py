@@ -319,7 +319,8 @@ async def test_a_kept_alive_connection_the_replica_dropped_is_resent_not_failed(
 async def test_a_dropped_connection_is_not_resent_on_other_routes(
     start_proxy: Start, upstream_url: str, upstream_state: Upstream
 ) -> None:
-    """Outside inference routes a repeat may have side effects: the failure stands."""
+    """Outside inference routes a repeated POST may have side effects: the failure
+    stands; a GET is safe to send again."""
     proxy = await start_proxy(make_config([upstream_url], retry={"max_attempts": 1}))
     stream = {"messages": [], "max_tokens": 2, "stream": True, "stale_after": True}
     async with proxy.client.post(CHAT, json=stream, headers=AUTH) as first:
@@ -328,5 +329,10 @@ async def test_a_dropped_connection_is_not_resent_on_other_routes(
     assert upstream_state.stale_hits == 1
     assert other.status == 502
     assert other.headers["X-Admission-Reason"] == "upstream_protocol_error"
+    # A safe method may be repeated anywhere: a GET on a dropped connection is resent.
+    async with proxy.client.post(CHAT, json=stream, headers=AUTH) as again:
+        await again.read()
+    listing = await proxy.client.get("/v1/other", headers=AUTH)
+    assert upstream_state.stale_hits == 2 and listing.status == 200
     await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
     proxy.assert_idle()
