@@ -84,6 +84,7 @@ from bench.processes import (
     stop_server,
     wait_ready,
 )
+from proxy.loadtest.client import request_resending_stale
 from proxy.settings import ConfigError, parse_config
 from scripts.real_engine import MissingToolchain
 from scripts.real_engine import ensure as ensure_engine
@@ -271,7 +272,9 @@ async def sim_stats(session: aiohttp.ClientSession, sims: Sequence[Server]) -> l
     stats = []
     for sim in sims:
         if sim.name.startswith("llama"):
-            async with session.get(sim.url + "/metrics") as response:
+            # The load's session: a stream may have left a dead connection in its pool.
+            response = await request_resending_stale(session, "GET", sim.url + "/metrics")
+            async with response:
                 text = await response.text()
             values = {
                 LLAMA_STATS[sample.name]: sample.value
@@ -311,14 +314,25 @@ async def measure_capacity(setup: Setup, running: Fleet, seconds: float) -> tupl
     return completed / seconds, failed
 
 
+#: How often the engines' running count is sampled in the measured window.
+BUSY_SAMPLE_S = 0.05
+
+
 async def window_stats(
     session: aiohttp.ClientSession, sims: Sequence[Server], warmup_s: float, seconds: float
-) -> dict[str, int]:
-    """The engines' counters over the measured window alone."""
+) -> tuple[dict[str, int], float]:
+    """The engines' counters over the measured window alone, and the mean number
+    of sequences running in them (sampled): a direct measure of busy slots."""
     await asyncio.sleep(warmup_s)
     start = await sim_stats(session, sims)
-    await asyncio.sleep(seconds)
-    return engine_delta(start, await sim_stats(session, sims))
+    end_at = time.monotonic() + seconds
+    samples: list[float] = []
+    while time.monotonic() < end_at:
+        stats = await sim_stats(session, sims)
+        samples.append(sum(float(s.get("running", 0.0)) for s in stats))
+        await asyncio.sleep(min(BUSY_SAMPLE_S, max(0.0, end_at - time.monotonic())))
+    busy = sum(samples) / len(samples) if samples else math.nan
+    return engine_delta(start, await sim_stats(session, sims)), busy
 
 
 async def front_outcomes(session: aiohttp.ClientSession, front: Server | None) -> dict[str, int]:
@@ -374,7 +388,7 @@ async def run_phase(
             outcomes = await open_loop(
                 session, urls, setup.headers, arrivals, slo.total_ms / 1000.0
             )
-            in_window = await window
+            in_window, busy = await window
         finally:
             window.cancel()
         await wait_sims_idle(session, running.sims)
@@ -383,6 +397,7 @@ async def run_phase(
     phase = summarize(
         target, load, rate, seconds, outcomes, slo, engine_delta(before, after), in_window
     )
+    phase.mean_running = busy
     phase.cpu_s = {
         "loadgen": _own_cpu() - cpu[0],
         "sims": sum(s.cpu() for s in running.sims) - cpu[1],

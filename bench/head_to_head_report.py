@@ -96,6 +96,9 @@ class Phase:
     wasted_tokens: int
     wasted_token_share: float
     late_send_p99_ms: float
+    #: Sequences running in the engines, summed over replicas, sampled every
+    #: 50 ms in the measured window (the fronts' seat use, as the engines see it).
+    mean_running: float = float("nan")
     cpu_s: dict[str, float] = field(default_factory=dict)
     listen_overflows: int = 0
     #: This proxy's own count of the phase's requests by outcome (its metrics).
@@ -221,7 +224,7 @@ def _share(part: int, whole: int) -> str:
 def detail_table(phases: Sequence[Phase]) -> str:
     lines = [
         "| target | load | requests | not good, by reason | engine completed / aborted "
-        "| engine completions/s, mean batch (window) | proxy counted cancelled "
+        "| engine completions/s, mean batch, mean running (window) | proxy counted cancelled "
         "| CPU s: front, load gen, other | send lag p99 ms |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
@@ -231,7 +234,8 @@ def detail_table(phases: Sequence[Phase]) -> str:
         lines.append(
             f"| {p.target} | {p.load:g}x | {p.sent} | {reasons} "
             f"| {_count(p.engine.get('completed'))} / {_count(p.engine.get('aborted'))} "
-            f"| {'n/a' if p.engine_rps is None else f'{p.engine_rps:.2f}'}, {p.mean_batch:.2f} "
+            f"| {'n/a' if p.engine_rps is None else f'{p.engine_rps:.2f}'}, {p.mean_batch:.2f}, "
+            f"{p.mean_running:.2f} "
             f"| {p.front_outcomes.get('cancelled', 0) if p.front_outcomes else '-'} "
             f"| {'-' if front is None else f'{front:.1f}'}, {p.cpu_s.get('loadgen', 0.0):.1f}, "
             f"{p.cpu_s.get('others', 0.0):.1f} "

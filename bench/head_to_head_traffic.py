@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from proxy.loadtest.client import post_resending_stale
+from proxy.loadtest.client import request_resending_stale
 from proxy.sse import has_token
 
 PATH = "/v1/chat/completions"
@@ -163,7 +163,7 @@ async def _exchange(
     sent: float,
 ) -> None:
     # llama-server drops a kept-alive connection after each stream: resend, as any client would.
-    response = await post_resending_stale(session, url, body, headers)
+    response = await request_resending_stale(session, "POST", url, body, headers)
     async with response:
         outcome.status = response.status
         if response.status != 200:

@@ -311,6 +311,16 @@ class Dispatcher:
         if seat is None or seat_grace_s > 0:
             self._pump()  # the tenant place freed now even though the seat did not
 
+    def release_seat(self, ticket: Ticket, seat: Seat) -> None:
+        """The replica is done with the request before the client is: free the seat now.
+
+        ``finish`` (called later with no seat) frees the tenant place; the seat
+        time recorded here is the replica's, not the client's reading time.
+        """
+        if ticket.granted_at is not None:
+            self._service.record(self._clock.now() - ticket.granted_at)
+        seat.release()
+
     def close(self) -> None:
         """Shutting down: refuse new tickets and answer every queued one."""
         self._closed = ShuttingDown("the proxy is shutting down", retry_after_s=1.0)

@@ -11,6 +11,7 @@ engines notice a closed connection late.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -83,9 +84,18 @@ async def forward(
     record.dispatched_at = runtime.clock.now()
     runtime.retry_budget.record_request()
     grace_s = 0.0
+
+    def upstream_done() -> None:
+        """The replica finished: its seat goes back now, not after the client drains."""
+        if lease.seat is not None:
+            dispatcher.release_seat(ticket, lease.seat)
+            lease.seat = None
+
     try:
         committed = await _send(runtime, lease, upstream_request, admitted, record, ticket)
-        response = await _relay(request, committed, admitted, rules, runtime, record)
+        response = await _relay(
+            request, committed, admitted, rules, runtime, record, on_upstream_done=upstream_done
+        )
         if record.outcome == "cancelled" and not record.upstream_done:
             grace_s = rules.config.timeouts.cancel_grace_ms / 1000.0
         return response
@@ -245,6 +255,7 @@ async def _relay(
     rules: Rules,
     runtime: Runtime,
     record: RequestRecord,
+    on_upstream_done: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     status = record.status = committed.status
     extra = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
@@ -257,4 +268,5 @@ async def _relay(
     return await relay(
         request, committed, record, admitted.deadline, runtime.clock,
         idle_s=rules.config.timeouts.idle_ms / 1000.0, extra_headers=extra,
+        on_upstream_done=on_upstream_done,
     )  # fmt: skip

@@ -15,6 +15,7 @@ second response (starlette's guard, made structural).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -112,12 +113,15 @@ async def relay(
     *,
     idle_s: float,
     extra_headers: dict[str, str],
+    on_upstream_done: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     """Stream the committed upstream answer to the client (``relay_whole`` first, when whole).
 
     Never raises ``ProxyError``: a failure after the commit point is recorded
     on ``record`` and ends the answer; a client that left is recorded as
-    cancelled.
+    cancelled. ``on_upstream_done`` runs once the replica's answer has ended,
+    before the last bytes are flushed to the client: the replica's seat is
+    free from then on, however slowly the client reads.
     """
     upstream = committed.response
     _engine_headers(upstream.headers, record)
@@ -142,6 +146,8 @@ async def relay(
             await response.write(chunk)
             chunk = await _next_chunk(upstream, deadline, clock, idle_s)
         record.upstream_done = True
+        if on_upstream_done is not None:
+            on_upstream_done()
         await response.write_eof()
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError included
         # The client left mid-answer (its handler may not be cancelled yet).

@@ -292,3 +292,22 @@ async def test_admitted_tickets_rarely_outlive_their_budget_under_sustained_over
             await d.wait(t)
     for t, seat, _ in running:
         d.finish(t, seat)
+
+
+async def test_seat_released_when_the_replica_is_done_goes_to_the_next_ticket() -> None:
+    """The replica finished before the client read it all: the seat passes on at once,
+    while the tenant place stays taken until the request really ends."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    first = enqueue(d, clock, "a")
+    waiting = enqueue(d, clock, "b")
+    seat = await d.wait(first)
+    assert waiting.seat is None
+    clock.advance(0.25)
+    d.release_seat(first, seat)
+    assert waiting.seat is not None, "the freed seat went to the queued ticket"
+    assert d.inflight("a") == 1, "a's place is held until its answer is delivered"
+    d.finish(first, None)
+    assert d.inflight("a") == 0
+    d.finish(waiting, await d.wait(waiting))
+    assert d.pool.total_inflight() == 0 and d.total_inflight() == 0

@@ -136,10 +136,14 @@ def queue_wait(headers: Mapping[str, str]) -> tuple[float | None, str | None]:
 STALE_RESENDS = 2
 
 
-async def post_resending_stale(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: Mapping[str, str]
+async def request_resending_stale(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> aiohttp.ClientResponse:
-    """POST, sending again when a kept-alive connection was closed under us.
+    """Send, and send again when a kept-alive connection was closed under us.
 
     llama.cpp's server closes the connection after each streamed answer while
     advertising keep-alive; the next request on it fails before any answer.
@@ -150,7 +154,7 @@ async def post_resending_stale(
     resends = STALE_RESENDS
     while True:
         try:
-            return await session.post(url, data=body, headers=headers)
+            return await session.request(method, url, data=body, headers=headers)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             if not resends or isinstance(exc, aiohttp.ClientConnectorError):
                 raise
@@ -177,7 +181,9 @@ async def send_one(
         due_at=due_at,
     )
     try:
-        resp = await post_resending_stale(session, base_url + spec.path, spec.body, spec.headers)
+        resp = await request_resending_stale(
+            session, "POST", base_url + spec.path, spec.body, spec.headers
+        )
         async with resp:
             result.status = resp.status
             result.reason = resp.headers.get("X-Admission-Reason")
