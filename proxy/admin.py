@@ -40,7 +40,11 @@ def state_snapshot(runtime: Runtime) -> StateSnapshot:
         (str(i), reading.utilization, reading.memory_ratio)
         for i, reading in sorted(runtime.gpu.snapshot.items())
     ]
-    return StateSnapshot(depth, high, replicas, gpus)
+    headroom: dict[str, int] = {}
+    for name, value in runtime.dispatcher.headroom_grants_by_tenant().items():
+        label = labels(name)
+        headroom[label] = headroom.get(label, 0) + value
+    return StateSnapshot(depth, high, replicas, gpus, headroom)
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -133,7 +133,7 @@ class Dispatcher:
         self._service = ServiceTime()
         self._usage = RecentUsage()
         self._grants = 0
-        self._headroom_grants = 0
+        self._headroom_grants: dict[str, int] = {}
         self._high_water: dict[str, int] = {}
         #: Retries waiting for a seat: served ahead of queued tickets.
         self._reseating: list[_Reseat] = []
@@ -171,7 +171,11 @@ class Dispatcher:
     @property
     def headroom_grants(self) -> int:
         """Requests started on a headroom seat since start (``/admin/state``)."""
-        return self._headroom_grants
+        return sum(self._headroom_grants.values())
+
+    def headroom_grants_by_tenant(self) -> dict[str, int]:
+        """The same per tenant (``admission_headroom_dispatches_total``)."""
+        return dict(self._headroom_grants)
 
     def below_fair_share(self, tenant: str, priority: str, now: float) -> bool:
         """The tenant's recent share of the work is under its weighted share.
@@ -210,7 +214,7 @@ class Dispatcher:
             ticket = Ticket(tenant, priority, cost, now, expires_at)
             self._grant(ticket, self.pool.lease(replica), now)
             if headroom:
-                self._headroom_grants += 1
+                self._headroom_grants[tenant] = self._headroom_grants.get(tenant, 0) + 1
             return ticket
         limits = self.limits_for(tenant)
         depth = self.scheduler.depth(tenant)

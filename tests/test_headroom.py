@@ -166,5 +166,8 @@ async def test_end_to_end_a_light_tenant_passes_a_queued_flood_on_headroom(
     assert state["headroom_grants"] == 1 and state["replicas"]["r0"]["headroom"] == 1
     assert [r.status for r in await asyncio.gather(*flood)] == [200] * 4
     assert proxy.runtime.dispatcher.headroom_grants == 1
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert 'admission_headroom_dispatches_total{tenant="light"} 1.0' in metrics
+    assert 'admission_headroom_dispatches_total{tenant="flood"}' not in metrics
     await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
     proxy.assert_idle()

@@ -24,11 +24,11 @@ import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -194,6 +194,8 @@ class StateSnapshot:
     queue_depth_max: dict[str, int]
     replicas: Sequence[tuple[str, int, int, bool]]  # name, inflight, limit, healthy
     gpus: Sequence[tuple[str, float, float]]  # gpu, utilization ratio, memory used ratio
+    #: Requests started on a headroom seat, per tenant label, since start.
+    headroom: dict[str, int] = field(default_factory=dict)
 
 
 class StateCollector(Collector):
@@ -228,6 +230,14 @@ class StateCollector(Collector):
         yield inflight
         yield limit
         yield healthy
+        headroom = CounterMetricFamily(
+            "admission_headroom_dispatches",
+            "Requests started on a seat above the knee (tenants below their fair share)",
+            labels=["tenant"],
+        )
+        for tenant, value in sorted(snap.headroom.items()):
+            headroom.add_metric([tenant], value)
+        yield headroom
         util = GaugeMetricFamily(
             "admission_gpu_utilization_ratio", "GPU utilization (0..1)", labels=["gpu"]
         )
