@@ -128,6 +128,7 @@ def _build() -> Engine | MissingToolchain:
     return _built
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` has deselected what it will
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Build the engine before any test runs when an engine test is selected.
 
