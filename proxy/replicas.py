@@ -31,6 +31,7 @@ class Replica:
         "api_key",
         "config",
         "draining",
+        "drops_kept_alive",
         "ejected",
         "ejected_until",
         "ejections",
@@ -67,6 +68,9 @@ class Replica:
         self.failures = 0
         self.ejections = 0
         self.ejected_until = 0.0
+        #: It closed a kept-alive connection under us (llama.cpp does after each
+        #: stream): streamed requests to it ask for ``Connection: close``.
+        self.drops_kept_alive = False
 
     @property
     def serving(self) -> bool:

@@ -159,6 +159,9 @@ async def attempt(
     headers = CIMultiDict(request.headers)
     headers.update(extra_headers)
     headers["X-Request-Timeout-Ms"] = deadline.remaining_ms_header(sent_at)
+    if request.streaming and replica.drops_kept_alive:
+        # Its connection would be pooled, then found dead by the next request.
+        headers["Connection"] = "close"
     response: aiohttp.ClientResponse | None = None
     try:
         with Expiry(wait_until - sent_at):
@@ -172,6 +175,7 @@ async def attempt(
                     if not resends or isinstance(exc, aiohttp.ClientConnectorError):
                         raise
                     resends -= 1
+                    replica.drops_kept_alive = True
             first_chunk = await response.content.readany()
     except aiohttp.ClientError as exc:
         # Before TimeoutError: aiohttp's connect timeout is a subclass of both.

@@ -309,9 +309,12 @@ async def test_a_kept_alive_connection_the_replica_dropped_is_resent_not_failed(
             await first.read()
         second = await proxy.client.post(CHAT, json={"messages": [], "max_tokens": 2}, headers=AUTH)
         assert second.status == 200, await second.text()
-    assert upstream_state.stale_hits >= 1, "the test never hit a dead pooled connection"
+    assert upstream_state.stale_hits == 1, "a dead connection once, then no more"
     replica = proxy.runtime.pool.replicas[0]
     assert replica.failures == 0 and not replica.ejected
+    # From the first drop on, streamed requests ask the replica to close instead.
+    streamed = [h.get("Connection") for h in upstream_state.seen if "X-Request-Id" in h]
+    assert replica.drops_kept_alive and streamed[-2] == "close" and streamed[-1] != "close"
     await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
     proxy.assert_idle()
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from proxy.loadtest.results import RequestResult, RequestSpec
 from proxy.sse import has_token, usage_from_body
@@ -133,7 +134,10 @@ def queue_wait(headers: Mapping[str, str]) -> tuple[float | None, str | None]:
 
 
 #: Resends of a request whose pooled connection turned out dead (see below).
-STALE_RESENDS = 2
+STALE_RESENDS = 4
+#: Servers seen closing kept-alive connections (scheme://host:port): later
+#: requests to them ask for ``Connection: close``, so no dead one is pooled.
+_DROPS_KEPT_ALIVE: set[str] = set()
 
 
 async def request_resending_stale(
@@ -149,8 +153,12 @@ async def request_resending_stale(
     advertising keep-alive; the next request on it fails before any answer.
     That is the client's pool, not the replica's capacity: counting it as an
     error would end every staircase at its first level. A refused connection
-    is not retried.
+    is not retried; a server seen doing it gets ``Connection: close`` from
+    then on, so none of its dead connections reach the pool again.
     """
+    origin = str(URL(url).origin())
+    if origin in _DROPS_KEPT_ALIVE:  # seen dropping: never pool its connections
+        headers = {**(headers or {}), "Connection": "close"}
     resends = STALE_RESENDS
     while True:
         try:
@@ -159,6 +167,7 @@ async def request_resending_stale(
             if not resends or isinstance(exc, aiohttp.ClientConnectorError):
                 raise
             resends -= 1
+            _DROPS_KEPT_ALIVE.add(origin)
 
 
 async def send_one(
