@@ -1,13 +1,44 @@
-"""Small helpers every benchmark's report uses: what was measured, and JSON-safe numbers."""
+"""Small helpers every benchmark uses: what was measured, on what, and JSON-safe numbers."""
 
 from __future__ import annotations
 
 import math
+import os
+import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 ROOT = Path(__file__).resolve().parent.parent
+#: Environment prefixes removed from child processes' environment: config
+#: overrides and OpenTelemetry exporters would change what is measured.
+SCRUBBED_ENV = ("ADMISSION_", "OTEL_")
+
+
+def scrubbed_env() -> dict[str, str]:
+    """This process's environment without ``SCRUBBED_ENV`` variables, for child servers."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
+
+
+def own_cpu() -> float:
+    """User plus system CPU seconds of this process (the load generator)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def machine(note: str) -> dict[str, Any]:
+    """The machine and library versions a result was measured with."""
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "aiohttp": aiohttp.__version__,
+        "uvloop": metadata.version("uvloop"),
+        "note": note,
+    }
 
 
 def revision() -> str:

@@ -65,7 +65,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -73,7 +72,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +79,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import finite
+from bench.common import finite, machine, own_cpu
 from bench.fairness_accesslog import Wait, waits
 from bench.fairness_accesslog import read as read_access_log
 from bench.fairness_report import (
@@ -105,6 +103,7 @@ from bench.fairness_report import (
 )
 from bench.fairness_servers import Fleet, wait_ready, wait_sims_idle
 from bench.fairness_traffic import PATH, Flow, Result, Shape, drive, send
+from bench.processes import cpu_seconds
 from proxy.settings import ConfigError, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,21 +296,6 @@ def _uncapped_scenarios(capacity_rps: float, victim_load: float) -> list[Scenari
 # -- measuring --------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU of a process (``/proc/<pid>/stat``); 0 where unreadable."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 @dataclass(slots=True)
 class Capacity:
     """The fleet's throughput with every seat busy, measured straight at the replicas."""
@@ -429,7 +413,7 @@ async def run_scenario(
     pids = {f"sim-{i}": sim.process.pid for i, sim in enumerate(fleet.sims)}
     if fleet.proxy is not None:
         pids["proxy"] = fleet.proxy.process.pid
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": _own_cpu()}
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": own_cpu()}
     samples: list[tuple[float, dict[str, int]]] = []
     sampler: asyncio.Task[None] | None = None
     end_state: list[dict[str, Any]] = []
@@ -450,7 +434,7 @@ async def run_scenario(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": _own_cpu()}
+        after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": own_cpu()}
         access_log = fleet.stop_proxy()
     elapsed = time.perf_counter() - t0
     await wait_sims_idle(control, fleet.sims)
@@ -795,17 +779,6 @@ def report(
 # -- entry point ------------------------------------------------------------------------
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "aiohttp": aiohttp.__version__,
-        "uvloop": metadata.version("uvloop"),
-        "note": "load generator, proxy and simulated replicas share the same CPUs",
-    }
-
-
 def _run_json(run: Run) -> dict[str, Any]:
     data: dict[str, Any] = {
         "group": run.scenario.group,
@@ -956,7 +929,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "proxy_source": source,
         "slo": asdict(SLO),
         "capacity": asdict(capacity),
-        "machine": _machine(),
+        "machine": machine("load generator, proxy and simulated replicas share the same CPUs"),
         "started_at": started_at,
         "wall_s": round(time.monotonic() - started, 1),
         "scenarios": {run.scenario.key: _run_json(run) for run in runs},

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -32,10 +31,9 @@ from types import TracebackType
 
 import aiohttp
 
+from bench.common import scrubbed_env
+
 ROOT = Path(__file__).resolve().parent.parent
-#: Environment prefixes removed from the proxy's environment: config overrides
-#: and OpenTelemetry exporters would change what is measured.
-SCRUBBED_ENV = ("ADMISSION_", "OTEL_")
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 15.0
@@ -67,10 +65,6 @@ class Child:
             )
 
 
-def _scrubbed_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
-
-
 def _command() -> list[str]:
     return [sys.executable, "-m", "proxy"]
 
@@ -93,7 +87,7 @@ class Fleet:
         stderr_path = self._workdir / f"{name}.stderr"
         with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
             process = subprocess.Popen(
-                argv, cwd=ROOT, stdout=out, stderr=err, env=_scrubbed_env(),
+                argv, cwd=ROOT, stdout=out, stderr=err, env=scrubbed_env(),
                 start_new_session=True,
             )  # fmt: skip
         return Child(name, process, stdout_path, stderr_path)

@@ -38,14 +38,12 @@ import asyncio
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +53,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import head_to_head_haproxy as haproxy
-from bench.common import revision
+from bench.common import machine, own_cpu, revision, scrubbed_env
 from bench.head_to_head_report import (
     Phase,
     Slo,
@@ -162,9 +160,6 @@ CAPACITY_S = 5.0
 QUICK_CAPACITY_S = 2.0
 READY_TIMEOUT_S = 20.0
 IDLE_TIMEOUT_S = 15.0
-#: Environment prefixes removed from the children's environment: config
-#: overrides and OpenTelemetry exporters would change what is measured.
-SCRUBBED_ENV = ("ADMISSION_", "OTEL_")
 #: Issue 6's target for this proxy's goodput at 3x against its own at 1x.
 MIN_GOODPUT_RATIO = 0.95
 
@@ -179,10 +174,6 @@ class Fleet:
 
     def all(self) -> list[Server]:
         return [*self.sims, *self.fronts.values()]
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
 
 
 @contextmanager
@@ -210,7 +201,7 @@ def start_replicas(setup: Setup, running: Fleet, workdir: Path) -> None:
                     "-c", str(4096 * setup.slots), "-t", "1", "--metrics", "--no-webui",
                     "-a", MODEL]  # fmt: skip
         name = f"{setup.engine}-{index}"
-        running.sims.append(start_server(name, argv, port, "/health", workdir, _env()))
+        running.sims.append(start_server(name, argv, port, "/health", workdir, scrubbed_env()))
 
 
 def proxy_config(setup: Setup, port: int, sim_urls: Sequence[str], queue_capacity: int) -> str:
@@ -235,7 +226,7 @@ def start_proxy(setup: Setup, running: Fleet, workdir: Path, queue_capacity: int
     config = workdir / "proxy.yaml"
     config.write_text(proxy_config(setup, port, [s.url for s in running.sims], queue_capacity))
     argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port)]
-    running.fronts["proxy"] = start_server("proxy", argv, port, "/readyz", workdir, _env())
+    running.fronts["proxy"] = start_server("proxy", argv, port, "/readyz", workdir, scrubbed_env())
     return config.read_text()
 
 
@@ -352,11 +343,6 @@ async def front_outcomes(session: aiohttp.ClientSession, front: Server | None) -
     return counts
 
 
-def _own_cpu() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 def _machine_cpu() -> float:
     """Busy CPU seconds of the whole machine (``/proc/stat``): other programs show up here."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -380,7 +366,7 @@ async def run_phase(
     async with make_session(CONNECT_MS / 1000.0) as session:
         before = await sim_stats(session, running.sims)
         outcomes_before = await front_outcomes(session, front)
-        cpu = (_own_cpu(), sum(s.cpu() for s in running.sims), front.cpu() if front else 0.0,
+        cpu = (own_cpu(), sum(s.cpu() for s in running.sims), front.cpu() if front else 0.0,
                _machine_cpu())  # fmt: skip
         overflows = listen_overflows()
         window = asyncio.create_task(window_stats(session, running.sims, warmup_s, seconds))
@@ -399,7 +385,7 @@ async def run_phase(
     )
     phase.mean_running = busy
     phase.cpu_s = {
-        "loadgen": _own_cpu() - cpu[0],
+        "loadgen": own_cpu() - cpu[0],
         "sims": sum(s.cpu() for s in running.sims) - cpu[1],
     }
     if front is not None:
@@ -457,17 +443,6 @@ async def bench(args: argparse.Namespace, workdir: Path, record: dict[str, Any])
 
 
 # -- report -----------------------------------------------------------------------------
-
-
-def _machine() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "aiohttp": aiohttp.__version__,
-        "uvloop": metadata.version("uvloop"),
-        "note": "load generator, fronts and replicas share the same CPUs",
-    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -557,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         **record,
         "revision": revision(),
-        "machine": _machine(),
+        "machine": machine("load generator, fronts and replicas share the same CPUs"),
         "wall_s": round(time.monotonic() - started, 1),
         "phases": [asdict(p) for p in phases],
         "verdicts": [{**asdict(v), "mark": v.mark} for v in items],

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -44,7 +43,6 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +50,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import revision
+from bench.common import SCRUBBED_ENV, machine, own_cpu, revision, scrubbed_env
 from bench.load import Requester, closed_loop, open_loop
 from bench.processes import (
     Server,
@@ -103,9 +101,6 @@ PROXY_QUEUE = 64
 #: Issue 2's targets, against the pass-through.
 MIN_RPS_RATIO = 0.8
 MAX_ADDED_P50_MS = 1.0
-#: Environment prefixes removed from the proxy's environment: config overrides
-#: and OpenTelemetry exporters would change what is measured.
-SCRUBBED_ENV = ("ADMISSION_", "OTEL_")
 READY_TIMEOUT_S = 20.0
 #: Spans a traced, completed chat request makes: proxy.request, .entrance,
 #: .queue, .upstream, .batch, .gpu (DESIGN section 7).
@@ -132,7 +127,7 @@ def _proxy_config(workdir: Path, port: int, upstream_url: str) -> Path:
 
 
 def _proxy_env(otlp_endpoint: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
+    env = scrubbed_env()
     if otlp_endpoint is not None:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     return env
@@ -222,11 +217,6 @@ class Run:
     listen_overflows: int
 
 
-def _own_cpu() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 async def measure(
     target: str,
     round_no: int,
@@ -245,12 +235,12 @@ async def measure(
         warmed = await closed_loop(warm, max(args.warmup, limit), limit, RUN_CAP_S)  # opens all
         requester = Requester(session, url, BODY, HEADERS)
         overflows = listen_overflows()
-        before = (front.cpu(), upstream.cpu(), _own_cpu())
+        before = (front.cpu(), upstream.cpu(), own_cpu())
         if rate is None:
             sample = await closed_loop(requester, args.requests, args.concurrency, RUN_CAP_S)
         else:
             sample = await open_loop(requester, args.open_requests, rate, RUN_CAP_S)
-        after = (front.cpu(), upstream.cpu(), _own_cpu())
+        after = (front.cpu(), upstream.cpu(), own_cpu())
         overflows = listen_overflows() - overflows
     wanted = args.requests if rate is None else args.open_requests
     cpu = [(b - a) * 1000.0 / max(1, sample.ok) for a, b in zip(before, after, strict=True)]
@@ -515,17 +505,6 @@ def report(
     return "\n".join(lines)
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "aiohttp": aiohttp.__version__,
-        "uvloop": metadata.version("uvloop"),
-        "note": "load generator, proxy and upstream share the same CPUs",
-    }
-
-
 def _tracing_note() -> str:
     scrubbed = sorted(k for k in os.environ if k.startswith(SCRUBBED_ENV))
     removed = f" (removed from their environment: {', '.join(scrubbed)})" if scrubbed else ""
@@ -611,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "revision": revision(),
         "telemetry": _tracing_note(),
-        "machine": _machine(),
+        "machine": machine("load generator, proxy and upstream share the same CPUs"),
         "wall_s": round(time.monotonic() - started, 1),
         "closed_loop": closed,
         "open_loop": opened,

@@ -43,8 +43,11 @@ def listen_overflows() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU of a process, all its threads (``/proc/<pid>/stat``)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+    """User plus system CPU of a process, all its threads (``/proc/<pid>/stat``); 0 once gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
     fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
     return (utime + stime) / CLOCK_TICKS

@@ -43,7 +43,6 @@ import json
 import logging
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -52,7 +51,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +60,7 @@ import uvloop
 import yaml
 from prometheus_client import CollectorRegistry
 
-from bench.common import finite
+from bench.common import finite, machine
 from bench.retry_storm_fleet import Sims, running_proxy, set_faults, sim_stats, wait_healthy
 from bench.retry_storm_report import (
     Result,
@@ -493,13 +491,10 @@ def _tree() -> str:
 def _machine() -> dict[str, Any]:
     return {
         "tree": _tree(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "aiohttp": aiohttp.__version__,
-        "uvloop": metadata.version("uvloop"),
-        "note": "load generator and proxy share this process's event loop; the replicas "
-        "are child processes; all share the same CPUs",
+        **machine(
+            "load generator and proxy share this process's event loop; the replicas "
+            "are child processes; all share the same CPUs"
+        ),
     }
 
 

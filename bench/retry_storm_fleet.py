@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import os
 import re
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from bench.common import scrubbed_env
 from proxy.app import build_app
 from proxy.keys import RUNTIME
 from proxy.lifecycle import bound_port
@@ -40,8 +40,6 @@ from proxy.runtime import Runtime
 from proxy.settings import Config
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Config overrides and OpenTelemetry exporters would change what is measured.
-SCRUBBED_ENV = ("ADMISSION_", "OTEL_")
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
 POLL_S = 0.05
@@ -86,7 +84,7 @@ class Sims:
     def _spawn(self, index: int, sim_args: Sequence[str]) -> Sim:
         name = f"{self._label}-sim-{index}"
         stderr_path = self._workdir / f"{name}.stderr"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_ENV)}
+        env = scrubbed_env()
         argv = [sys.executable, "-m", "proxy", "sim", "--port", "0", "--seed", str(index),
                 *sim_args]  # fmt: skip
         with stderr_path.open("wb") as err:
