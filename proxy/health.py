@@ -272,15 +272,13 @@ class Health:
 
     def refresh_saturation(self) -> None:
         """Mark replicas saturated from fresh readings only; stale ones count as not."""
-        now = self._clock.now()
-        stale_s = self._config.saturation.stale_ms / 1000.0
         max_waiting = self._config.saturation.max_waiting
         max_kv = self._config.saturation.max_kv_cache
         changed = False
         for replica in self._pool.replicas:
-            reading = self._readings.get(replica.name)
+            reading = self.engine_reading(replica.name)
             saturated = False
-            if reading is not None and now - reading.at <= stale_s:
+            if reading is not None:
                 saturated = bool(
                     (max_waiting is not None and reading.waiting is not None
                      and reading.waiting > max_waiting)
