@@ -3,9 +3,10 @@
 SIGTERM (DESIGN section 8): ``/readyz`` turns 503 at once; queued requests and
 new arrivals are answered 503 ``shutting_down`` with ``Connection: close``
 while the listener stays open so load balancers notice; in-flight requests
-get up to ``server.shutdown_grace_ms``; then the upstream session and
-telemetry are closed and the process exits. A second SIGTERM or SIGINT exits
-at once.
+get up to ``server.shutdown_grace_ms``; streams still open then are cut
+(their handlers cancelled, ``CLOSE_TIMEOUT_S`` each to unwind); then the
+upstream session and telemetry are closed and the process exits. A second
+SIGTERM or SIGINT exits at once.
 
 The process's garbage collector is tuned once the app is up (``tune_gc``):
 the request path makes no reference cycles, yet at CPython's default
@@ -39,6 +40,12 @@ def bound_port(site: web.TCPSite) -> int | None:
     return int(sockets[0].getsockname()[1]) if sockets else None
 
 
+#: After the grace period, how long the server waits for a handler still
+#: running, and again for it to unwind once cancelled. aiohttp's own default
+#: (60 s) would keep a process whose client holds a stream open for a minute
+#: past the grace; the grace itself is waited for in ``serve``.
+CLOSE_TIMEOUT_S = 0.25
+
 #: Young-generation threshold (container objects allocated net of those freed).
 #: An in-flight request holds a few dozen, so CPython's 700 is crossed by
 #: about twenty concurrent requests; this many covers a thousand or more.
@@ -68,7 +75,9 @@ def begin_shutdown(runtime: Runtime) -> None:
 async def serve(config: Config, host: str, port: int, config_path: str | None = None) -> int:
     app = build_app(config, config_path=config_path)
     runtime = app[RUNTIME]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=CLOSE_TIMEOUT_S
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

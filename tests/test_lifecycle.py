@@ -1,18 +1,23 @@
-"""The proxy as a process: the CLI, and graceful shutdown on SIGTERM."""
+"""The proxy as a process: the CLI, graceful shutdown on SIGTERM, reload on SIGHUP."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 
 from tests.helpers import KEY_A
+from tests.test_control import samples
 
 CHAT = "/v1/chat/completions"
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
@@ -33,6 +38,40 @@ async def _start_proxy(config_path: Path) -> tuple[asyncio.subprocess.Process, s
             event = json.loads(line)
             if event.get("event") == "listening":
                 return proc, f"http://127.0.0.1:{event['port']}"
+
+
+async def _read_events(proc: asyncio.subprocess.Process, events: list[dict[str, Any]]) -> None:
+    """Collect the process's JSON log lines until it closes stdout (keeps the pipe drained)."""
+    assert proc.stdout is not None
+    while line := await proc.stdout.readline():
+        events.append(json.loads(line))
+
+
+def _write_config(path: Path, upstream_url: str, **sections: Any) -> None:
+    config = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 2}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+        **sections,
+    }
+    path.write_text(yaml.safe_dump(config))
+
+
+#: A stream the fake upstream keeps open for hours: one token every 100 ms.
+ENDLESS = {"stream": True, "max_tokens": 1_000_000, "gap_ms": 100}
+
+
+async def _open_endless_stream(session: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
+    stream = await session.post(url + CHAT, json=ENDLESS, headers=AUTH)
+    assert stream.status == 200
+    await stream.content.readuntil(b"tok0 ")  # tokens are flowing through the proxy
+    return stream
+
+
+async def _until_not_ready(session: aiohttp.ClientSession, url: str) -> None:
+    """The first signal has been handled: /readyz answers 503."""
+    async with asyncio.timeout(5):
+        while (await session.get(url + "/readyz")).status != 503:
+            await asyncio.sleep(0.01)
 
 
 async def _until_queued(session: aiohttp.ClientSession, url: str, depth: int) -> None:
@@ -85,6 +124,95 @@ async def test_sigterm_drains_in_flight_and_refuses_the_queue(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_sigterm_ends_within_the_grace_when_a_stream_stays_open(
+    tmp_path: Path, upstream_url: str
+) -> None:
+    """A stream that would run for hours: SIGTERM waits the whole grace period, then the
+    stream is cut and the process exits 0 (within the grace plus a hang guard, not 60 s)."""
+    grace_s = 1.5
+    path = tmp_path / "proxy.yaml"
+    _write_config(path, upstream_url, server={"shutdown_grace_ms": int(grace_s * 1000)})
+    proc, url = await _start_proxy(path)
+    events: list[dict[str, Any]] = []
+    reader = asyncio.ensure_future(_read_events(proc, events))
+    try:
+        async with aiohttp.ClientSession() as session:
+            stream = await _open_endless_stream(session, url)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), timeout=grace_s + 5) == 0
+            took = time.monotonic() - signalled
+            assert took >= grace_s
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(stream.read(), timeout=5)  # ends: the proxy is gone
+        await asyncio.wait_for(reader, timeout=5)
+        assert any(e["event"] == "grace period over" for e in events), events
+        cut = [e for e in events if e.get("path") == CHAT]
+        assert len(cut) == 1 and cut[0]["outcome"] == "cancelled", cut
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+async def test_a_second_signal_exits_at_once(
+    tmp_path: Path, upstream_url: str, second: signal.Signals
+) -> None:
+    """SIGTERM starts a 60 s grace with a stream open; a second SIGTERM or SIGINT ends the
+    process at once with exit status 1 (well before the grace)."""
+    path = tmp_path / "proxy.yaml"
+    _write_config(path, upstream_url, server={"shutdown_grace_ms": 60_000})
+    proc, url = await _start_proxy(path)
+    reader = asyncio.ensure_future(_read_events(proc, []))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _open_endless_stream(session, url)
+            proc.send_signal(signal.SIGTERM)
+            await _until_not_ready(session, url)
+            proc.send_signal(second)
+            assert await asyncio.wait_for(proc.wait(), timeout=10) == 1
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+
+
+async def test_sighup_reloads_the_config_file(tmp_path: Path, upstream_url: str) -> None:
+    """SIGHUP after the file changed: the new tenant's key is accepted at once and the
+    reload is counted as ok (one count per 'config reloaded' line, one of them SIGHUP's)."""
+    path = tmp_path / "proxy.yaml"
+    _write_config(path, upstream_url)
+    proc, url = await _start_proxy(path)
+    events: list[dict[str, Any]] = []
+    reader = asyncio.ensure_future(_read_events(proc, events))
+    new_key = {"Authorization": "Bearer sk-added-by-sighup"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert (await session.post(url + CHAT, json={}, headers=new_key)).status == 401
+            tenants = {"a": {"api_keys": [KEY_A]}, "c": {"api_keys": ["sk-added-by-sighup"]}}
+            _write_config(path, upstream_url, tenants=tenants)
+            proc.send_signal(signal.SIGHUP)
+            async with asyncio.timeout(10):
+                while not any(e.get("trigger") == "sighup" for e in events):
+                    await asyncio.sleep(0.01)
+            assert (await session.post(url + CHAT, json={}, headers=new_key)).status == 200
+            text = await (await session.get(url + "/metrics")).text()
+            reloaded = [e for e in events if e["event"] == "config reloaded"]
+            assert samples(text, "admission_config_reloads_total")[(("result", "ok"),)] == len(
+                reloaded
+            )
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
 
 
 async def test_check_config_cli(tmp_path: Path) -> None:
