@@ -155,15 +155,17 @@ def build_app(
 
     async def gpu_sampler(app: web.Application) -> AsyncIterator[None]:
         """NVML in a worker thread on an interval; the path reads the snapshot only."""
-        sampler = runtime.gpu
-        interval = runtime.rules.config.gpu.sample_ms / 1000.0
-        task = asyncio.create_task(sampler.run(interval))
+        task = asyncio.create_task(runtime.gpu.run())
         yield
         await stop(task)
         if isinstance(probe, NvmlProbe):
             await asyncio.to_thread(probe.close)
 
-    runtime.gpu = GpuSampler(probe, lambda: runtime.health.apply_gpu_guard(runtime.gpu.snapshot))
+    runtime.gpu = GpuSampler(
+        probe,
+        lambda: runtime.health.apply_gpu_guard(runtime.gpu.snapshot),
+        config.gpu.sample_ms / 1000.0,
+    )
     app.cleanup_ctx.append(log_flusher)
     app.cleanup_ctx.append(gpu_sampler)
 

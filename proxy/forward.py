@@ -224,7 +224,7 @@ async def _attempt(
     try:
         committed = await attempt(
             runtime.client_session(), replica, upstream_request, admitted.deadline, runtime.clock,
-            extra_headers=extra,
+            extra_headers=extra, client_timeout=runtime.rules.upstream_timeout,
         )  # fmt: skip
     except ProxyError as err:
         if trace is not None:

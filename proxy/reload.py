@@ -6,13 +6,18 @@ watches miss), and ``POST /admin/reload``. An invalid file changes nothing:
 every error is logged with its YAML path and counted as
 ``admission_config_reloads_total{result="invalid"}``.
 
-What a valid reload changes (DESIGN section 12): new tenants, keys, weights,
-caps, capacities, rate limits and budgets apply to new requests at once;
-queued and running requests keep the deadline and class they were admitted
-under and nothing queued is evicted; a removed tenant's queued tickets are
-still served; a new replica is probed and warmed before it takes traffic; a
-removed replica drains and then leaves; ``server.host``/``port`` changes are
-logged as needing a restart.
+What a valid reload changes (DESIGN section 12): every key but those of
+``RESTART_KEYS``. New tenants, keys, weights, caps, capacities, rate limits,
+budgets, timeouts (``connect_ms`` included), the body limit, the shutdown
+grace, the GPU sampling interval and the metric label cap apply to new
+requests at once, and a new tenant gets its own metric label if the cap has
+room; queued and running requests keep the deadline, class and budgets they
+were admitted under and nothing queued is evicted; a removed tenant's queued
+tickets are still served, under its old rules; a new replica is probed and
+warmed before it takes traffic; a removed replica drains and then leaves.
+A change to a ``RESTART_KEYS`` key is logged as needing a restart, and the
+running config keeps the value the listener was built with (so
+``/admin/config`` shows what is in effect).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+from pydantic import BaseModel
 
 from proxy.replicas import Replica
 from proxy.runtime import Rules, Runtime
@@ -33,6 +39,9 @@ log = structlog.get_logger(__name__)
 
 #: How often the config file's content hash is compared.
 WATCH_INTERVAL_S = 2.0
+#: ``(section, key)`` pairs the listening server was built with: a reload
+#: leaves them as they are and logs that they take effect after a restart.
+RESTART_KEYS: tuple[tuple[str, str], ...] = (("server", "host"), ("server", "port"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,8 @@ class Reloader:
         self._path = Path(path)
         self._lock = asyncio.Lock()
         self._digest = _digest(self._path)
+        #: What the listener was built from: ``RESTART_KEYS`` are compared to it.
+        self._started = runtime.rules.config
 
     async def reload(self, trigger: str) -> ReloadResult:
         """Read, validate and apply the config file; one reload at a time."""
@@ -70,7 +81,10 @@ class Reloader:
                 self._digest = digest  # do not retry the same bad file every poll
                 return ReloadResult(False, exc.issues)
             self._digest = digest
-            apply_config(self._runtime, config)
+            for key, at_start, configured in needs_restart(self._started, config):
+                log.warning("setting changed: takes effect after a restart", key=key,
+                            running=at_start, configured=configured)  # fmt: skip
+            apply_config(self._runtime, keep_restart_keys(self._started, config))
             self._runtime.telemetry.metrics.config_reloads.labels("ok").inc()
             log.info("config reloaded", trigger=trigger, tenants=len(config.tenants),
                      replicas=[r.name for r in config.replicas])  # fmt: skip
@@ -85,13 +99,29 @@ class Reloader:
                 await self.reload("file_change")
 
 
+def needs_restart(old: Config, new: Config) -> list[tuple[str, object, object]]:
+    """The ``RESTART_KEYS`` whose value differs: (dotted key, old value, new value)."""
+    changed = []
+    for section, key in RESTART_KEYS:
+        running = getattr(getattr(old, section), key)
+        configured = getattr(getattr(new, section), key)
+        if running != configured:
+            changed.append((f"{section}.{key}", running, configured))
+    return changed
+
+
+def keep_restart_keys(started: Config, config: Config) -> Config:
+    """``config`` with each ``RESTART_KEYS`` value put back to ``started``'s."""
+    sections: dict[str, BaseModel] = {}
+    for section, key in RESTART_KEYS:
+        part = sections.get(section) or getattr(config, section)
+        value = getattr(getattr(started, section), key)
+        sections[section] = part.model_copy(update={key: value})
+    return config.model_copy(update=sections)
+
+
 def apply_config(runtime: Runtime, config: Config) -> None:
     """Swap in a validated config: replicas first, then the rules in one assignment."""
-    old = runtime.rules.config
-    if (old.server.host, old.server.port) != (config.server.host, config.server.port):
-        log.warning("server.host/port changed: takes effect after a restart",
-                    running=f"{old.server.host}:{old.server.port}",
-                    configured=f"{config.server.host}:{config.server.port}")  # fmt: skip
     pool = runtime.pool
     wanted = {r.name for r in config.replicas}
     for replica_config in config.replicas:

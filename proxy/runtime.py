@@ -25,6 +25,7 @@ from proxy.retries import RetryBudget, RetryPolicy
 from proxy.settings import BudgetsConfig, Config
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import FakeGpuProbe, GpuSampler
+from proxy.upstream import upstream_timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class Rules:
     config: Config
     keys: Mapping[str, str]
     budgets: Mapping[str, BudgetsConfig]
+    #: ``timeouts.connect_ms`` as aiohttp takes it, built once per config.
+    upstream_timeout: aiohttp.ClientTimeout
 
     @classmethod
     def from_config(cls, config: Config) -> Rules:
@@ -39,6 +42,7 @@ class Rules:
             config=config,
             keys=config.key_index(),
             budgets={name: config.budgets_for(name) for name in config.tenants},
+            upstream_timeout=upstream_timeout(config.timeouts.connect_ms / 1000.0),
         )
 
     def tenant_limits(self) -> dict[str, TenantLimits]:
@@ -103,6 +107,10 @@ class Runtime:
         scheduler.set_tenant_weights({n: t.weight for n, t in rules.config.tenants.items()})
         self.quotas.configure(rules.rate_limits())
         self.health.set_config(rules.config)
+        self.telemetry.labels.reconfigure(
+            rules.config.tenants, rules.config.telemetry.max_tenant_labels
+        )
+        self.gpu.set_interval(rules.config.gpu.sample_ms / 1000.0)
         retry = rules.config.retry
         self.retry_policy = RetryPolicy(retry)
         self.retry_budget.ratio, self.retry_budget.min_per_s = (

@@ -116,12 +116,17 @@ class Committed:
         self.response.close()
 
 
+def upstream_timeout(connect_s: float) -> aiohttp.ClientTimeout:
+    """aiohttp's timeouts for an attempt: the connect only; ``attempt`` bounds the rest."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=None)
+
+
 def make_session(connect_s: float) -> aiohttp.ClientSession:
     """The one client session the proxy shares across all replicas."""
     connector = aiohttp.TCPConnector(limit=CONNECTOR_LIMIT, limit_per_host=0, ttl_dns_cache=300)
     return aiohttp.ClientSession(
         connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=None),
+        timeout=upstream_timeout(connect_s),
         auto_decompress=False,  # bytes pass through as the replica sent them
         cookie_jar=aiohttp.DummyCookieJar(),
         raise_for_status=False,
@@ -136,8 +141,13 @@ async def attempt(
     clock: Clock,
     *,
     extra_headers: dict[str, str],
+    client_timeout: aiohttp.ClientTimeout | None = None,
 ) -> Committed:
     """Send ``request`` to ``replica`` and wait for the first body byte.
+
+    ``client_timeout``: the connect timeout of the running config
+    (``upstream_timeout``), so a reload applies to the next attempt; by
+    default, the session's own.
 
     On any failure the response (if any) is closed before the error is raised,
     so a failed attempt never leaks a connection.
@@ -168,7 +178,7 @@ async def attempt(
             resends = STALE_RESENDS if request.resend_on_stale else 0
             while True:
                 try:
-                    response = await _send(session, replica, request, headers)
+                    response = await _send(session, replica, request, headers, client_timeout)
                     break
                 except STALE_CONNECTION as exc:
                     # A refused connection is a dead replica, not a stale one.
@@ -213,6 +223,7 @@ async def _send(
     replica: Replica,
     request: UpstreamRequest,
     headers: CIMultiDict[str],
+    client_timeout: aiohttp.ClientTimeout | None = None,
 ) -> aiohttp.ClientResponse:
     return await session.request(
         request.method,
@@ -221,6 +232,7 @@ async def _send(
         skip_auto_headers=None if "User-Agent" in headers else NO_USER_AGENT,
         data=request.body if request.body else None,
         allow_redirects=False,
+        timeout=session.timeout if client_timeout is None else client_timeout,
     )
 
 

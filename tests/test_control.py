@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
+import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -14,8 +16,12 @@ import pytest
 import yaml
 from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from proxy.admin import _authorized
+from proxy.settings import load_config
+from proxy.telemetry.gpu import FakeGpuProbe, GpuReading
+from proxy.telemetry.metrics import TenantLabels
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for
 
@@ -100,8 +106,6 @@ async def test_reload_under_load_loses_nothing(
     valid file's weights and tenants apply, an invalid file changes nothing."""
     path = tmp_path / "proxy.yaml"
     _write(path, _document(upstream_url, weight=1))
-    from proxy.settings import load_config
-
     proxy = await start_proxy(load_config(path), config_path=str(path))
     statuses: list[int] = []
     stop = asyncio.Event()
@@ -116,7 +120,8 @@ async def test_reload_under_load_loses_nothing(
     await wait_for(lambda: len(statuses) > 20)
     _write(path, _document(upstream_url, weight=5, extra_tenant=True))
     assert (await (await proxy.client.post("/admin/reload")).json())["result"] == "ok"
-    assert proxy.runtime.rules.config.tenants["a"].weight == 5
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["tenants"]["a"]["weight"] == 5
     resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer sk-new"})
     assert resp.status == 200
     before = proxy.runtime.rules
@@ -139,22 +144,34 @@ async def test_reload_under_load_loses_nothing(
 async def test_file_change_is_picked_up_without_a_signal(
     start_proxy: Start, upstream_url: str, tmp_path: Path
 ) -> None:
-    """The watcher reloads when the file's content changes (ConfigMap symlink swaps)."""
-    from proxy.settings import load_config
-
+    """The watcher reloads when the file's content changes (ConfigMap symlink swaps):
+    a tenant added to the file is served without a signal, and the reload is counted."""
     path = tmp_path / "proxy.yaml"
     _write(path, _document(upstream_url, weight=1))
     proxy = await start_proxy(load_config(path), config_path=str(path))
+    new_key = {"Authorization": "Bearer sk-new"}
+    assert (await proxy.client.post(CHAT, json={}, headers=new_key)).status == 401
     _write(path, _document(upstream_url, weight=1, extra_tenant=True))
-    await wait_for(lambda: "c" in proxy.runtime.rules.config.tenants, timeout_s=8)
+    statuses: list[int] = []
+
+    async def new_tenant_served() -> bool:
+        resp = await proxy.client.post(CHAT, json={}, headers=new_key)
+        await resp.read()
+        statuses.append(resp.status)
+        return resp.status == 200
+
+    async with asyncio.timeout(8):
+        while not await new_tenant_served():
+            await asyncio.sleep(0.05)
+    assert set(statuses[:-1]) <= {401}
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert samples(metrics, "admission_config_reloads_total")[(("result", "ok"),)] == 1
 
 
 async def test_removed_replica_drains_and_a_new_one_warms_first(
     start_proxy: Start, upstream_url: str, tmp_path: Path
 ) -> None:
     """Reload replacing r0 with r1: r0 leaves the pool, r1 serves after probe and warm-up."""
-    from proxy.settings import load_config
-
     path = tmp_path / "proxy.yaml"
     _write(path, _document(upstream_url, weight=1))
     config = load_config(path)
@@ -170,6 +187,222 @@ async def test_removed_replica_drains_and_a_new_one_warms_first(
     assert r1 is not None
     await wait_for(lambda: r1.serving and not r1.ejected)
     assert (await proxy.client.post(CHAT, json={}, headers=AUTH)).status == 200
+
+
+async def _reload(proxy: ProxyUnderTest, path: Path, document: dict[str, Any]) -> None:
+    _write(path, document)
+    resp = await proxy.client.post("/admin/reload")
+    assert (await resp.json())["result"] == "ok", await resp.text()
+
+
+def _tenants(*names: str) -> dict[str, Any]:
+    return {name: {"api_keys": [f"sk-{name}"]} for name in names}
+
+
+async def _served_as(proxy: ProxyUnderTest, tenant: str) -> str:
+    """Send one request as ``tenant``; the ``tenant`` label it was counted under."""
+    before = samples(await (await proxy.client.get("/metrics")).text(), "admission_requests_total")
+    resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": f"Bearer sk-{tenant}"})
+    assert resp.status == 200
+    after = samples(await (await proxy.client.get("/metrics")).text(), "admission_requests_total")
+    grown = [dict(k)["tenant"] for k, v in after.items() if v > before.get(k, 0.0)]
+    assert len(grown) == 1, grown
+    return grown[0]
+
+
+async def test_reload_labels_a_new_tenant_within_the_new_cap(
+    start_proxy: Start, upstream_url: str, tmp_path: Path
+) -> None:
+    """A tenant added by reload gets its own metric label at once when the cap has room;
+    with the cap full it folds into "other"; raising the cap by reload labels it."""
+    path = tmp_path / "proxy.yaml"
+    replicas = [{"name": "r0", "url": upstream_url, "max_concurrency": 4}]
+    document = {"replicas": replicas, "tenants": _tenants("a", "b"),
+                "telemetry": {"max_tenant_labels": 3}}  # fmt: skip
+    _write(path, document)
+    proxy = await start_proxy(load_config(path), config_path=str(path))
+    assert await _served_as(proxy, "b") == "b"
+    await _reload(proxy, path, {**document, "tenants": _tenants("a", "b", "c")})
+    assert await _served_as(proxy, "c") == "c"
+    await _reload(proxy, path, {**document, "tenants": _tenants("a", "b", "c", "d")})
+    assert await _served_as(proxy, "d") == "other"
+    await _reload(proxy, path, {**document, "tenants": _tenants("a", "b", "c", "d"),
+                                "telemetry": {"max_tenant_labels": 4}})  # fmt: skip
+    assert await _served_as(proxy, "d") == "d"
+    assert [await _served_as(proxy, t) for t in ("a", "b", "c")] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("before", "reloads", "labelled", "folded"),
+    [
+        # existing labels keep theirs; a newcomer takes a free place, in file order
+        (("a", "b"), [(("a", "b", "c", "d"), 3)], {"a", "b", "c"}, {"d"}),
+        # a newcomer listed first still comes after those already labelled
+        (("a", "b"), [(("c", "a", "b"), 2)], {"a", "b"}, {"c"}),
+        # a lower cap keeps the first labelled ones in file order
+        (("a", "b", "c"), [(("a", "b", "c"), 1)], {"a"}, {"b", "c"}),
+        # a removed tenant keeps its label (its queued requests still end) but
+        # frees its place for a newcomer
+        (("a", "b"), [(("a", "c"), 2)], {"a", "b", "c"}, {"d"}),
+        # ...until it comes back: then it counts again, behind the cap
+        (("a", "b"), [(("a", "c"), 2), (("a", "c", "b"), 2)], {"a", "c"}, {"b"}),
+    ],
+)
+def test_tenant_labels_after_reload(
+    before: tuple[str, ...],
+    reloads: list[tuple[tuple[str, ...], int]],
+    labelled: set[str],
+    folded: set[str],
+) -> None:
+    """Which tenants have their own label after reloads (table: tenants in, labels out)."""
+    labels = TenantLabels(before, len(before))
+    for tenants, cap in reloads:
+        labels.reconfigure(tenants, cap)
+    assert {t for t in labelled | folded if labels(t) == t} == labelled
+    assert {labels(t) for t in folded} == {"other"}
+    assert labels("unknown") == "unknown"
+
+
+async def test_reload_applies_the_connect_timeout(start_proxy: Start, tmp_path: Path) -> None:
+    """A replica whose handshake never completes: after a reload lowers connect_ms from
+    60 s to 200 ms, a new request fails with 504 connect_timeout, not its total budget."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(3):  # fill the backlog so the proxy's SYN is dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        path = tmp_path / "proxy.yaml"
+        document: dict[str, Any] = {
+            "replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}", "max_concurrency": 4}],
+            "tenants": {"a": {"api_keys": [KEY_A]}},
+            "warmup": {"requests": 0},
+            "budgets": {"queue_ms": 1000, "first_byte_ms": 3000, "total_ms": 3000},
+            "retry": {"max_attempts": 1},
+            "timeouts": {"connect_ms": 60_000},
+        }
+        _write(path, document)
+        proxy = await start_proxy(load_config(path), config_path=str(path))
+        await _reload(proxy, path, {**document, "timeouts": {"connect_ms": 200}})
+        resp = await proxy.client.post(CHAT, json={}, headers=AUTH)
+        assert resp.status == 504
+        assert resp.headers["X-Admission-Reason"] == "connect_timeout"
+        proxy.assert_idle()
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+class CountingProbe(FakeGpuProbe):
+    """A fake GPU that counts how often it was read."""
+
+    def __init__(self) -> None:
+        super().__init__([GpuReading(0, 0.5, 50, 100)])
+        self.samples = 0
+
+    def sample(self) -> list[GpuReading]:
+        self.samples += 1
+        return super().sample()
+
+
+async def test_reload_applies_the_gpu_sample_interval(
+    start_proxy: Start, upstream_url: str, tmp_path: Path
+) -> None:
+    """Sampling every 10 minutes, then a reload to every 20 ms: the sampler does not
+    finish its long wait first, it samples again at once and keeps the new pace."""
+    path = tmp_path / "proxy.yaml"
+    document = {**_document(upstream_url, weight=1), "gpu": {"sample_ms": 600_000}}
+    _write(path, document)
+    probe = CountingProbe()
+    proxy = await start_proxy(load_config(path), config_path=str(path), gpu=probe)
+    await wait_for(lambda: probe.samples == 1)
+    await _reload(proxy, path, {**document, "gpu": {"sample_ms": 20}})
+    await wait_for(lambda: probe.samples >= 5)
+
+
+async def test_reload_applies_the_body_limit(
+    start_proxy: Start, upstream_url: str, tmp_path: Path
+) -> None:
+    """server.max_body_bytes raised by reload: a body refused with 413 before is served."""
+    path = tmp_path / "proxy.yaml"
+    document = {**_document(upstream_url, weight=1), "server": {"max_body_bytes": 1000}}
+    _write(path, document)
+    proxy = await start_proxy(load_config(path), config_path=str(path))
+    body = json.dumps({"pad": "x" * 3000})
+    refused = await proxy.client.post(CHAT, data=body, headers=AUTH)
+    assert refused.status == 413
+    await _reload(proxy, path, {**document, "server": {"max_body_bytes": 10_000}})
+    assert (await proxy.client.post(CHAT, data=body, headers=AUTH)).status == 200
+
+
+async def test_reload_applies_everything_but_the_listener(
+    start_proxy: Start, upstream_url: str, tmp_path: Path
+) -> None:
+    """A reload changing server.host/port and the other server keys: the listener's two
+    are logged as needing a restart and stay as they run; the others apply."""
+    path = tmp_path / "proxy.yaml"
+    document = _document(upstream_url, weight=1)
+    _write(path, document)
+    proxy = await start_proxy(load_config(path), config_path=str(path))
+    server = {"host": "127.0.0.2", "port": 9999, "shutdown_grace_ms": 1234, "entrance_ms": 777}
+    with capture_logs() as logs:
+        await _reload(proxy, path, {**document, "server": server})
+    restart = {e["key"]: (e["running"], e["configured"]) for e in logs if "key" in e}
+    assert restart == {"server.host": ("0.0.0.0", "127.0.0.2"), "server.port": (8080, 9999)}
+    running = yaml.safe_load(await (await proxy.client.get("/admin/config")).text())["server"]
+    assert (running["host"], running["port"]) == ("0.0.0.0", 8080)
+    assert (running["shutdown_grace_ms"], running["entrance_ms"]) == (1234, 777)
+
+
+async def test_a_removed_tenants_queued_request_keeps_its_rules(
+    start_proxy: Start, upstream_url: str, tmp_path: Path
+) -> None:
+    """Tenant c (class bulk, queue budget 5 s) waits behind a held seat while a reload
+    removes c, its class and its budget (the global queue budget is 100 ms): its request
+    is still served, in its class, and counted under its own label."""
+    path = tmp_path / "proxy.yaml"
+    tenants = {
+        "a": {"api_keys": [KEY_A]},
+        "c": {"api_keys": ["sk-c"], "priority": "bulk", "budgets": {"queue_ms": 5000}},
+    }
+    document: dict[str, Any] = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 1}],
+        "tenants": tenants,
+        "priorities": {"standard": {"weight": 1}, "bulk": {"weight": 1}},
+        "budgets": {"queue_ms": 100},
+    }
+    _write(path, document)
+    log = io.StringIO()
+    proxy = await start_proxy(load_config(path), config_path=str(path), access_log=log)
+    holder = asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 1000}, headers=AUTH))
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 1)
+    queued = asyncio.ensure_future(
+        proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer sk-c"})
+    )
+    await wait_for(lambda: len(proxy.runtime.dispatcher.scheduler) == 1)
+    await _reload(proxy, path, {**document, "tenants": {"a": tenants["a"]},
+                                "priorities": {"standard": {"weight": 1}}})  # fmt: skip
+    assert (await holder).status == 200
+    served = await queued
+    assert served.status == 200, await served.text()
+    gone = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer sk-c"})
+    assert gone.status == 401  # a new request meets the new rules
+    await wait_for(lambda: not proxy.runtime.active)
+    lines = [json.loads(text) for text in log.getvalue().splitlines()]
+    line = next(x for x in lines if x["tenant"] == "c" and x["status"] == 200)
+    assert line["priority"] == "bulk" and line["queue_ms"] >= 100
+    metrics = await (await proxy.client.get("/metrics")).text()
+    counted = samples(metrics, "admission_requests_total")
+    key = (("outcome", "completed"), ("priority", "bulk"), ("reason", "none"), ("tenant", "c"))
+    assert counted[key] == 1
+    proxy.assert_idle()
 
 
 async def test_requests_total_counts_every_request_once_with_its_reason(

@@ -108,17 +108,33 @@ class FakeGpuProbe:
 
 
 class GpuSampler:
-    """Publishes the latest readings as an immutable mapping; never blocks the loop."""
+    """Publishes the latest readings as an immutable mapping; never blocks the loop.
 
-    def __init__(self, probe: GpuProbe, on_sample: Callable[[], None]) -> None:
+    The interval can change while it runs (``set_interval``, on reload): the
+    wait in progress is cut short, and the next sample is due one new
+    interval after the last one.
+    """
+
+    def __init__(
+        self, probe: GpuProbe, on_sample: Callable[[], None], interval_s: float = 1.0
+    ) -> None:
         self._probe = probe
         self._on_sample = on_sample
+        self.interval_s = interval_s
+        self._changed = asyncio.Event()
         self.snapshot: Mapping[int, GpuReading] = {}
 
-    async def run(self, interval_s: float) -> None:
+    def set_interval(self, interval_s: float) -> None:
+        if interval_s != self.interval_s:
+            self.interval_s = interval_s
+            self._changed.set()
+
+    async def run(self) -> None:
         if not await asyncio.to_thread(self._probe.available):
             return
+        loop = asyncio.get_running_loop()
         while True:
+            sampled_at = loop.time()
             try:
                 readings = await asyncio.to_thread(self._probe.sample)
             except Exception as exc:  # a failed sample keeps the last snapshot
@@ -126,4 +142,14 @@ class GpuSampler:
             else:
                 self.snapshot = {r.index: r for r in readings}
                 self._on_sample()
-            await asyncio.sleep(interval_s)
+            await self._wait_until_due(loop, sampled_at)
+
+    async def _wait_until_due(self, loop: asyncio.AbstractEventLoop, sampled_at: float) -> None:
+        """Sleep until one interval after ``sampled_at``, re-reading it when it changes."""
+        while (left := sampled_at + self.interval_s - loop.time()) > 0:
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+            except TimeoutError:
+                return

@@ -185,6 +185,21 @@ class TenantLabels:
             return tenant
         return OTHER_TENANTS
 
+    def reconfigure(self, tenants: Iterable[str], max_labels: int) -> None:
+        """After a reload: the new tenants and cap, relabelling nobody without need.
+
+        Tenants labelled already keep their label, in file order, as far as
+        the cap allows (a series does not change name under a dashboard);
+        newcomers take the places left, in file order. A removed tenant keeps
+        its label without taking a place: requests it had queued still end
+        after the reload and are counted as its own. If it comes back, it
+        takes a place again.
+        """
+        configured = list(tenants)
+        named = self._named
+        ordered = [t for t in configured if t in named] + [t for t in configured if t not in named]
+        self._named = frozenset(ordered[:max_labels]) | (named - set(configured))
+
 
 @dataclass(frozen=True, slots=True)
 class StateSnapshot:
