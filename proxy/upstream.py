@@ -221,6 +221,7 @@ async def _send(
         skip_auto_headers=None if "User-Agent" in headers else NO_USER_AGENT,
         data=request.body if request.body else None,
         allow_redirects=False,
+        ssl=replica.ssl,
     )
 
 
@@ -229,6 +230,12 @@ def translate(exc: aiohttp.ClientError, replica: Replica) -> ProxyError:
     where = f"replica {replica.name}"
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return ConnectTimeout(f"{where}: connect timed out")
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cause = exc.certificate_error
+        detail = getattr(cause, "verify_message", None) or str(cause)
+        return UpstreamConnectError(f"{where}: TLS certificate verification failed ({detail})")
+    if isinstance(exc, aiohttp.ClientConnectorSSLError):
+        return UpstreamConnectError(f"{where}: TLS handshake failed ({exc.os_error})")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamConnectError(f"{where}: cannot connect ({exc.os_error.strerror or exc})")
     if isinstance(exc, aiohttp.ServerTimeoutError):
