@@ -266,3 +266,22 @@ def test_tls_files_are_checked_at_validation(files: TlsFiles, tmp_path: Path) ->
     good = {"ca_file": str(files.ca), "cert_file": str(files.cert), "key_file": str(files.key)}
     document = {"replicas": [_replica(https, **good)], "tenants": {"a": {"api_keys": [KEY_A]}}}
     assert parse_config(yaml.safe_dump(document)).replicas[0].cert_file == str(files.cert)
+
+
+async def test_https_to_a_plain_http_port_is_a_clear_handshake_failure(
+    upstream_url: str, files: TlsFiles, start_proxy: Start
+) -> None:
+    """An https:// url whose port speaks plain HTTP: 502 upstream_connect_error saying
+    the TLS handshake failed, not a bare connection error."""
+    url = upstream_url.replace("http://", "https://")
+    config = make_config(
+        [], replicas=[_replica(url, ca_file=str(files.ca))], warmup={"requests": 0},
+        health={"interval_ms": 60_000},
+    )  # fmt: skip
+    proxy = await start_proxy(config)
+    resp = await proxy.client.post(CHAT, json={}, headers=AUTH)
+    assert resp.status == 502
+    assert resp.headers["X-Admission-Reason"] == "upstream_connect_error"
+    message = (await resp.json())["error"]["message"]
+    assert "TLS handshake failed" in message, message
+    proxy.assert_idle()
