@@ -54,8 +54,11 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     ready = not runtime.shutting_down and any(r.serving for r in runtime.pool.replicas)
+    # Replicas not yet healthy once (an engine still loading its model).
+    starting = [r.name for r in runtime.pool.replicas if r.starting]
     return web.json_response(
-        {"ready": ready, "shutting_down": runtime.shutting_down}, status=200 if ready else 503
+        {"ready": ready, "shutting_down": runtime.shutting_down, "starting": starting},
+        status=200 if ready else 503,
     )
 
 
@@ -144,9 +147,11 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
             "ejected": r.ejected,
             "draining": r.draining,
             "warming": r.warming,
+            "starting": r.starting,
             "saturated": r.saturated,
             "gpu_guarded": r.gpu_guarded,
             "consecutive_failures": r.failures,
+            "probe_error": r.probe_error,
             "engine": _engine_state(runtime, r.name),
         }
         for r in runtime.pool.replicas

@@ -38,6 +38,7 @@ from proxy.telemetry.gpu import GpuProbe, GpuSampler, NvmlProbe
 from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
 from proxy.telemetry.tracing import Tracing, provider_from_env
+from proxy.tls import tls_by_replica
 from proxy.upstream import make_session
 
 SessionFactory = Callable[[Config], aiohttp.ClientSession]
@@ -76,8 +77,13 @@ def build_runtime(
 ) -> Runtime:
     clock = clock or MonotonicClock()
     rules = Rules.from_config(config)
+    tls = tls_by_replica(config.replicas)
     replicas = [
-        Replica(r, api_key=os.environ.get(r.api_key_env) if r.api_key_env else None)
+        Replica(
+            r,
+            api_key=os.environ.get(r.api_key_env) if r.api_key_env else None,
+            tls=tls[r.name],
+        )
         for r in config.replicas
     ]
     pool = ReplicaPool(replicas, rng=random.Random(seed))

@@ -15,6 +15,10 @@ Rules (DESIGN section 12):
 - passive ejection never removes the last serving replica; failed probes can;
 - an ejected replica returns when its ejection has expired, a probe succeeds
   and its warm-up succeeds; at start-up every replica is warmed first;
+- a replica not yet healthy once (since start-up, or since a reload added it)
+  is never ejected: it is ``starting``, probed every ``interval_ms`` with no
+  backoff, and takes no traffic until a probe and its warm-up succeed; an
+  engine loading a model for minutes must not be pushed into 300 s ejections;
 - engine metrics older than ``saturation.stale_ms`` are ignored: a scrape
   that fails never stops dispatch.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -36,6 +41,7 @@ from proxy.errors import ProxyError
 from proxy.replicas import Replica, ReplicaPool
 from proxy.settings import Config
 from proxy.telemetry.gpu import GpuReading
+from proxy.upstream import translate
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +54,12 @@ WAITING_METRICS = (
     "tgi_queue_size",
     "llamacpp:requests_deferred",
 )
-KV_CACHE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+KV_CACHE_METRICS = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+    "llamacpp:kv_cache_usage_ratio",  # older llama.cpp builds
+)
 #: Engine gauges of requests being computed now (reported, not acted on).
 RUNNING_METRICS = (
     "vllm:num_requests_running",
@@ -77,19 +88,27 @@ class EngineReading:
 def parse_engine_metrics(text: str, at: float = 0.0) -> EngineReading:
     """Waiting and running requests and KV-cache usage (0..1) from an engine's metrics.
 
-    Whichever engine's names appear are used (vLLM, SGLang, TGI, llama.cpp);
-    samples of one name are summed (vLLM labels them per model).
+    Whichever engine's names appear are used (vLLM, SGLang, TGI, llama.cpp).
+    A name may have several series (one per data-parallel rank, per model):
+    counts are summed, since every rank's queue is the replica's queue, but a
+    ratio takes the largest, since summing two ranks at 0.6 reads 1.2 and would
+    hold the replica off forever; the fullest rank is the one that preempts.
+    NaN samples are skipped.
     """
-    values: dict[str, float] = {}
+    values: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            if not math.isnan(sample.value):
+                values.setdefault(sample.name, []).append(sample.value)
 
-    def first(names: tuple[str, ...]) -> float | None:
-        return next((values[n] for n in names if n in values), None)
+    def first(names: tuple[str, ...], combine: Callable[[list[float]], float]) -> float | None:
+        return next((combine(values[n]) for n in names if n in values), None)
 
     return EngineReading(
-        at, first(WAITING_METRICS), first(KV_CACHE_METRICS), first(RUNNING_METRICS)
+        at,
+        first(WAITING_METRICS, sum),
+        first(KV_CACHE_METRICS, max),
+        first(RUNNING_METRICS, sum),
     )
 
 
@@ -118,6 +137,7 @@ class Health:
     def attempt_succeeded(self, replica: Replica) -> None:
         replica.failures = 0
         replica.ejections = 0
+        replica.healthy_once = True
 
     def attempt_failed(self, replica: Replica, error: ProxyError | None, status: int = 0) -> None:
         """Count a failure if its kind is sickness; eject past the threshold."""
@@ -136,6 +156,9 @@ class Health:
         self._eject(replica)
 
     def _eject(self, replica: Replica) -> None:
+        if not replica.healthy_once:
+            self._hold_starting(replica)
+            return
         replica.ejections += 1
         base = self._config.health.eject_ms / 1000.0
         duration = min(MAX_EJECTION_S, base * 2 ** (replica.ejections - 1))
@@ -144,11 +167,32 @@ class Health:
         log.warning("replica ejected", replica=replica.name, seconds=duration,
                     failures=replica.failures, ejection=replica.ejections)  # fmt: skip
 
+    def _hold_starting(self, replica: Replica) -> None:
+        """Never healthy yet: no ejection and no backoff, only the next probe."""
+        replica.failures = 0
+        if not replica.starting:
+            replica.starting = True
+            log.info("replica starting: probed every interval until it answers",
+                     replica=replica.name, error=replica.probe_error)  # fmt: skip
+
+    def _came_up(self, replica: Replica) -> None:
+        """A probe (or warm-up) succeeded: from now on the normal ejection rules apply."""
+        replica.healthy_once = True
+        replica.probe_error = None
+        if replica.starting:
+            replica.starting = False
+            log.info("replica started", replica=replica.name)
+
     def earliest_return_s(self) -> float:
-        """Seconds until the first ejection ends (Retry-After of no_healthy_replica)."""
+        """Seconds until the first ejection ends (Retry-After of no_healthy_replica).
+
+        A starting replica may come up at its next probe: one interval.
+        """
         now = self._clock.now()
         waits = [r.ejected_until - now for r in self._pool.replicas if r.ejected]
         interval = self._config.health.interval_ms / 1000.0
+        if any(r.starting for r in self._pool.replicas):
+            return interval
         return max(interval, min(waits)) if waits else interval
 
     # -- the background loop -----------------------------------------------------------
@@ -158,7 +202,7 @@ class Health:
         self._session = session
         if self._config.warmup.requests > 0:
             for replica in self._pool.replicas:
-                replica.warming = True
+                replica.warming = replica.starting = True
         await asyncio.gather(*(self._start(r) for r in self._pool.replicas))
         while True:
             await asyncio.sleep(self._config.health.interval_ms / 1000.0)
@@ -166,20 +210,29 @@ class Health:
             self.refresh_saturation()
 
     async def _start(self, replica: Replica) -> None:
-        if replica.warming and not await self._warm(replica):
-            replica.warming = False
-            self._eject(replica)
+        if replica.warming:
+            if await self._warm(replica):
+                self._came_up(replica)
+            else:
+                self._eject(replica)  # never healthy yet: it stays starting
         self._on_change()
 
     async def _check(self, replica: Replica) -> None:
         if replica.config.metrics_url:
             await self._scrape(replica)
+        if replica.starting:
+            if await self._probe(replica) and await self._warm(replica):
+                replica.failures = 0
+                self._came_up(replica)
+                self._on_change()
+            return
         if replica.ejected:
             if self._clock.now() < replica.ejected_until:
                 return
             if await self._probe(replica) and await self._warm(replica):
                 replica.ejected = False
                 replica.failures = 0
+                self._came_up(replica)
                 log.info("replica returned", replica=replica.name)
                 self._on_change()
             else:
@@ -190,17 +243,29 @@ class Health:
             self._count_failure(replica, passive=False)
         elif not replica.draining:
             replica.failures = 0
+            self._came_up(replica)
 
     async def _probe(self, replica: Replica) -> bool:
-        url = replica.url + self._config.health.path
+        """One GET of the health path; why it failed is kept for ``/admin/state``."""
+        path = self._config.health.path
         try:
             async with self._get_session().get(
-                url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                replica.url + path,
+                ssl=replica.ssl,
+                timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
             ) as resp:
                 await resp.read()
-                return 200 <= resp.status < 300
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+                if 200 <= resp.status < 300:
+                    return True
+                error = f"GET {path} answered {resp.status}"
+        except aiohttp.ClientError as exc:
+            error = translate(exc, replica).message
+        except TimeoutError:
+            error = f"GET {path} gave no answer within {PROBE_TIMEOUT_S:.0f} s"
+        if error != replica.probe_error:
+            log.warning("probe failed", replica=replica.name, error=error)
+        replica.probe_error = error
+        return False
 
     async def _warm(self, replica: Replica) -> bool:
         """``warmup.requests`` completions of one token; the replica serves only after."""
@@ -218,7 +283,9 @@ class Health:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
                                  IndexError, TypeError):  # fmt: skip
             async with self._get_session().get(
-                replica.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                replica.url + "/v1/models",
+                ssl=replica.ssl,
+                timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
             ) as resp:
                 if resp.status == 200:
                     return str((await resp.json(content_type=None))["data"][0]["id"])
@@ -236,22 +303,27 @@ class Health:
                 replica.url + "/v1/completions",
                 data=json.dumps(body),
                 headers=headers,
+                ssl=replica.ssl,
                 timeout=aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S),
             ) as resp:
                 await resp.read()
-                ok = 200 <= resp.status < 300
-        except (aiohttp.ClientError, TimeoutError):
-            ok = False
-        if not ok:
-            log.warning("warm-up failed", replica=replica.name)
-        return ok
+                if 200 <= resp.status < 300:
+                    return True
+                error = f"warm-up answered {resp.status}"
+        except aiohttp.ClientError as exc:
+            error = f"warm-up: {translate(exc, replica).message}"
+        except TimeoutError:
+            error = f"warm-up gave no answer within {WARMUP_TIMEOUT_S:.0f} s"
+        log.warning("warm-up failed", replica=replica.name, error=error)
+        replica.probe_error = error
+        return False
 
     async def _scrape(self, replica: Replica) -> None:
         url = replica.config.metrics_url
         assert url is not None
         try:
             async with self._get_session().get(
-                url, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                url, ssl=replica.ssl, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
             ) as resp:
                 if resp.status != 200:
                     return

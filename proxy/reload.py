@@ -17,7 +17,9 @@ tickets are still served, under its old rules; a new replica is probed and
 warmed before it takes traffic; a removed replica drains and then leaves.
 A change to a ``RESTART_KEYS`` key is logged as needing a restart, and the
 running config keeps the value the listener was built with (so
-``/admin/config`` shows what is in effect).
+``/admin/config`` shows what is in effect). A replica whose TLS files changed
+(path or content) gets a new context; a rotated certificate needs a reload to
+be read.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from pydantic import BaseModel
 from proxy.replicas import Replica
 from proxy.runtime import Rules, Runtime
 from proxy.settings import Config, ConfigError, ConfigIssue, load_config
+from proxy.tls import ReplicaTls, same_files, tls_by_replica
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +77,7 @@ class Reloader:
             digest = await asyncio.to_thread(_digest, self._path)
             try:
                 config = await asyncio.to_thread(load_config, self._path)
+                tls = await asyncio.to_thread(tls_by_replica, config.replicas)
             except ConfigError as exc:
                 for issue in exc.issues:
                     log.error("config reload refused", trigger=trigger, path=issue.path,
@@ -84,7 +89,7 @@ class Reloader:
             for key, at_start, configured in needs_restart(self._started, config):
                 log.warning("setting changed: takes effect after a restart", key=key,
                             running=at_start, configured=configured)  # fmt: skip
-            apply_config(self._runtime, keep_restart_keys(self._started, config))
+            apply_config(self._runtime, keep_restart_keys(self._started, config), tls)
             self._runtime.telemetry.metrics.config_reloads.labels("ok").inc()
             log.info("config reloaded", trigger=trigger, tenants=len(config.tenants),
                      replicas=[r.name for r in config.replicas])  # fmt: skip
@@ -120,8 +125,17 @@ def keep_restart_keys(started: Config, config: Config) -> Config:
     return config.model_copy(update=sections)
 
 
-def apply_config(runtime: Runtime, config: Config) -> None:
-    """Swap in a validated config: replicas first, then the rules in one assignment."""
+def apply_config(
+    runtime: Runtime, config: Config, tls: Mapping[str, ReplicaTls | None] | None = None
+) -> None:
+    """Swap in a validated config: replicas first, then the rules in one assignment.
+
+    ``tls``: every replica's context, built off the loop (``tls_by_replica``);
+    a replica keeps its context, and its pooled connections, while its TLS
+    files are unchanged.
+    """
+    if tls is None:
+        tls = tls_by_replica(config.replicas)
     pool = runtime.pool
     wanted = {r.name for r in config.replicas}
     for replica_config in config.replicas:
@@ -133,11 +147,15 @@ def apply_config(runtime: Runtime, config: Config) -> None:
             existing.limit = replica_config.max_concurrency
             existing.headroom = replica_config.headroom
             existing.api_key = api_key
+            if not same_files(existing.tls, tls[replica_config.name]):
+                existing.set_tls(tls[replica_config.name])
+                log.info("replica TLS files changed: new connections use them",
+                         replica=existing.name)  # fmt: skip
             continue
-        replica = Replica(replica_config, api_key=api_key)
-        # Treated as a replica whose ejection just ended: the next health round
-        # probes and warms it before it takes traffic.
-        replica.ejected = True
+        replica = Replica(replica_config, api_key=api_key, tls=tls[replica_config.name])
+        # Not healthy yet: the next health round probes and warms it before it
+        # takes traffic, and failures keep it starting, never ejected.
+        replica.starting = True
         pool.add(replica)
     for replica in pool.replicas:
         if replica.name not in wanted:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import ssl
 from collections.abc import Callable, Iterable
 from typing import NewType
 
 from proxy.settings import ReplicaConfig
+from proxy.tls import ReplicaTls
 
 ReplicaName = NewType("ReplicaName", str)
 
@@ -38,17 +40,27 @@ class Replica:
         "failures",
         "gpu_guarded",
         "headroom",
+        "healthy_once",
         "inflight",
         "limit",
         "name",
+        "probe_error",
         "retired",
         "saturated",
+        "ssl",
+        "starting",
+        "tls",
         "url",
         "warming",
     )
 
-    def __init__(self, config: ReplicaConfig, api_key: str | None = None) -> None:
+    def __init__(
+        self, config: ReplicaConfig, api_key: str | None = None, tls: ReplicaTls | None = None
+    ) -> None:
         self.config = config
+        self.tls = tls
+        #: What aiohttp's ``ssl=`` gets on every connection to it (True: the defaults).
+        self.ssl: ssl.SSLContext | bool = tls.context if tls is not None else True
         self.name = ReplicaName(config.name)
         self.url = config.url
         self.limit = config.max_concurrency
@@ -68,14 +80,26 @@ class Replica:
         self.failures = 0
         self.ejections = 0
         self.ejected_until = 0.0
+        #: Healthy once since the process started or a reload added it; until
+        #: then a failure makes it ``starting`` (probed on the interval, no
+        #: ejection backoff) instead of ejected: an engine may load for minutes.
+        self.healthy_once = False
+        self.starting = False
+        #: Why its last probe failed (``/admin/state``); None after a success.
+        self.probe_error: str | None = None
         #: It closed a kept-alive connection under us (llama.cpp does after each
         #: stream): streamed requests to it ask for ``Connection: close``.
         self.drops_kept_alive = False
 
+    def set_tls(self, tls: ReplicaTls | None) -> None:
+        """A new context (reload, files changed): new connections use it."""
+        self.tls = tls
+        self.ssl = tls.context if tls is not None else True
+
     @property
     def serving(self) -> bool:
         """May take new work at all (seats aside)."""
-        return not (self.ejected or self.draining or self.warming)
+        return not (self.ejected or self.draining or self.warming or self.starting)
 
     @property
     def dispatchable(self) -> bool:
@@ -98,7 +122,7 @@ class Replica:
     def __repr__(self) -> str:
         flags = [
             f
-            for f in ("ejected", "draining", "warming", "saturated", "gpu_guarded")
+            for f in ("ejected", "starting", "draining", "warming", "saturated", "gpu_guarded")
             if getattr(self, f)
         ]
         state = ",".join(flags) or "serving"
@@ -207,12 +231,16 @@ class ReplicaPool:
     def any_usable(self) -> bool:
         """False only when every replica is ejected or drained: then refuse at once.
 
-        A warming or saturated replica still counts: requests wait for it.
+        A warming or saturated replica still counts: requests wait for it. A
+        starting one counts only while it warms (its engine may be minutes away).
         """
-        return any(not (r.ejected or r.draining) for r in self._by_name.values())
+        return any(
+            not (r.ejected or r.draining or (r.starting and not r.warming))
+            for r in self._by_name.values()
+        )
 
     def add(self, replica: Replica) -> None:
-        """A replica new in the config (reload); it warms before it serves."""
+        """A replica new in the config (reload); it is probed and warms before it serves."""
         self._by_name[replica.name] = replica
 
     def retire(self, name: str) -> None:

@@ -74,6 +74,7 @@ from proxy.config_errors import (
 )
 from proxy.config_errors import hash_api_key as hash_api_key
 from proxy.config_errors import stored_key_digest as stored_key_digest
+from proxy.tls import TLS_KEYS, TlsFileError, load_context
 
 RetryClass = Literal[
     "connect_error",
@@ -212,8 +213,29 @@ class ReplicaConfig(_Section):
     headroom: int = Field(default=0, ge=0)
     metrics_url: HttpUrlStr | None = None
     api_key_env: str | None = None
+    #: TLS to an https replica (``tls.py``): a CA bundle that replaces the
+    #: system trust store for this replica, and a client certificate with its
+    #: key for mutual TLS (both or neither). Paths are read at validation.
     ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
     gpu_index: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ReplicaConfig:
+        """TLS files only for https, and they must load now, not at the first request."""
+        given = [key for key in TLS_KEYS if getattr(self, key) is not None]
+        if not given:
+            return self
+        urls = (self.url, self.metrics_url or "")
+        if not any(urlsplit(url).scheme == "https" for url in urls):
+            problems = [((key,), "only used with an https:// url or metrics_url") for key in given]
+            raise rule_violations(type(self).__name__, problems)
+        try:
+            load_context(self)
+        except TlsFileError as exc:
+            raise rule_violations(type(self).__name__, [((exc.key,), str(exc))]) from None
+        return self
 
 
 class HealthConfig(_Section):

@@ -233,6 +233,7 @@ async def _send(
         data=request.body if request.body else None,
         allow_redirects=False,
         timeout=session.timeout if client_timeout is None else client_timeout,
+        ssl=replica.ssl,
     )
 
 
@@ -241,6 +242,12 @@ def translate(exc: aiohttp.ClientError, replica: Replica) -> ProxyError:
     where = f"replica {replica.name}"
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return ConnectTimeout(f"{where}: connect timed out")
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cause = exc.certificate_error
+        detail = getattr(cause, "verify_message", None) or str(cause)
+        return UpstreamConnectError(f"{where}: TLS certificate verification failed ({detail})")
+    if isinstance(exc, aiohttp.ClientConnectorSSLError):
+        return UpstreamConnectError(f"{where}: TLS handshake failed ({exc.os_error})")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamConnectError(f"{where}: cannot connect ({exc.os_error.strerror or exc})")
     if isinstance(exc, aiohttp.ServerTimeoutError):
