@@ -32,6 +32,8 @@ class Rules:
     config: Config
     keys: Mapping[str, str]
     budgets: Mapping[str, BudgetsConfig]
+    #: ``routes`` as a set: the allow-list is looked up once per path segment.
+    routes: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, config: Config) -> Rules:
@@ -39,6 +41,7 @@ class Rules:
             config=config,
             keys=config.key_index(),
             budgets={name: config.budgets_for(name) for name in config.tenants},
+            routes=frozenset(config.routes),
         )
 
     def tenant_limits(self) -> dict[str, TenantLimits]:

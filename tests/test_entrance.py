@@ -164,22 +164,49 @@ async def test_reserved_paths_are_not_proxied(
     assert upstream_state.seen == []
 
 
-async def test_other_paths_are_proxied_to_the_replica(
-    start_proxy: Start, upstream_url: str
+async def test_paths_under_a_route_are_proxied_to_the_replica(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
 ) -> None:
-    """Any non-reserved path goes to a configured replica, query string included."""
-    proxy = await start_proxy(make_config([upstream_url]))
+    """A path under a configured route goes to a replica, query string included;
+    any other gets 404 route_not_allowed and reaches no replica."""
+    proxy = await start_proxy(make_config([upstream_url], routes=["/custom", "/v1/models"]))
     resp = await proxy.client.post("/custom/route?x=1", data=b"abc", headers=AUTH)
     assert resp.status == 200
     assert await resp.json() == {"method": "POST", "path": "/custom/route?x=1", "body_bytes": 3}
     resp = await proxy.client.get("/v1/models", headers=AUTH)
     assert resp.status == 200
+    seen = len(upstream_state.seen)
+    for path in ("/customer", "/v1/chat/completions", "/other"):
+        resp = await proxy.client.post(path, json={}, headers=AUTH)
+        assert resp.status == 404, path
+        assert resp.headers["X-Admission-Reason"] == "route_not_allowed"
+        assert (await resp.json())["error"]["code"] == "route_not_allowed"
+    assert len(upstream_state.seen) == seen
     proxy.assert_idle()
+
+
+async def test_the_default_routes_forward_engine_routes_only(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """Without routes: inference and model routes go through; an engine's own
+    control route (/sim/faults) and unknown paths get 404 route_not_allowed."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    for path in ("/v1/embeddings", "/v1/models/some-model", "/tokenize", "/infill"):
+        resp = await proxy.client.post(path, json={"input": "x"}, headers=AUTH)
+        assert resp.status == 200, path
+    seen = len(upstream_state.seen)
+    for path in ("/sim/faults", "/health", "/completionx", "/v1/other"):
+        resp = await proxy.client.post(path, json={}, headers=AUTH)
+        assert resp.status == 404, path
+        assert resp.headers["X-Admission-Reason"] == "route_not_allowed"
+    assert len(upstream_state.seen) == seen
+    counter = proxy.runtime.telemetry.metrics.requests
+    assert counter.labels("a", "standard", "rejected", "route_not_allowed").value == 4
 
 
 async def test_upstream_status_passes_through(start_proxy: Start, upstream_url: str) -> None:
     """An upstream's own 4xx keeps its status and body, tagged upstream_status."""
-    proxy = await start_proxy(make_config([upstream_url]))
+    proxy = await start_proxy(make_config([upstream_url], routes=["/status"]))
     resp = await proxy.client.post("/status/422", json={}, headers=AUTH)
     assert resp.status == 422
     assert resp.headers["X-Admission-Reason"] == "upstream_status"

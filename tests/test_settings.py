@@ -54,6 +54,7 @@ DESIGN_KEY_ORDER = [
     "retry",
     "priorities",
     "telemetry",
+    "routes",
     "anonymous",
     "tenants",
 ]
