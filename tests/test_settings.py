@@ -104,24 +104,22 @@ def _lookup(node: Any, path: str) -> Any:
 # --- defaults --------------------------------------------------------------
 
 #: The default allow-list, as docs/DEPLOYMENT.md lists it.
-DEFAULT_ROUTES_AS_DOCUMENTED = tuple(
-    [
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/models",
-        "/v1/rerank",
-        "/generate",
-        "/generate_stream",
-        "/tokenize",
-        "/detokenize",
-        "/completion",
-        "/completions",
-        "/embedding",
-        "/embeddings",
-        "/infill",
-        "/rerank",
-    ]
+DEFAULT_ROUTES_AS_DOCUMENTED = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/v1/rerank",
+    "/generate",
+    "/generate_stream",
+    "/tokenize",
+    "/detokenize",
+    "/completion",
+    "/completions",
+    "/embedding",
+    "/embeddings",
+    "/infill",
+    "/rerank",
 )
 
 
