@@ -27,7 +27,11 @@ Choices the contract left open:
   ``timeouts.connect_ms`` and ``idle_ms`` must be positive, and
   ``retry.max_backoff_ms`` at least ``base_backoff_ms``;
 - an ``ADMISSION_PRIORITIES__<CLASS>__WEIGHT`` override changes or adds one
-  class on top of the file's (or the default) classes.
+  class on top of the file's (or the default) classes;
+- ``queue_ms + first_byte_ms`` must fit in ``total_ms`` (merged, per tenant),
+  not only each alone: the total must also leave the generation some time;
+- ``routes`` entries are normalised path prefixes (``paths.route_problem``);
+  a reserved path as an entry, or no entry at all, is an error.
 """
 
 from __future__ import annotations

@@ -368,3 +368,24 @@ async def test_shutting_down_refuses_every_request(
     await wait_for(lambda: not proxy.runtime.active)
     assert replica.app[SEEN].of("late-1") == []
     proxy.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("target", "headers", "reason"),
+    [
+        ("/sim/faults", (b"X-Request-Timeout-Ms: soon", b"X-Priority: batch"), "unauthenticated"),
+        (CHAT, (KEY, b"X-Request-Timeout-Ms: soon", b"X-Priority: batch"), "bad_request"),
+        ("/v1/../..", (KEY, b"X-Priority: batch"), "bad_request"),
+        ("/sim/faults", (KEY, b"X-Request-Timeout-Ms: soon"), "bad_request"),
+        ("/sim/faults", (KEY, b"X-Priority: batch"), "priority_not_allowed"),
+        ("/sim/faults", (KEY, b"Content-Type: application/json"), "route_not_allowed"),
+    ],
+)
+async def test_order_of_checks(
+    proxy: ProxyUnderTest, target: str, headers: tuple[bytes, ...], reason: str
+) -> None:
+    """401, then every 400 on headers (the path among them), then 403, then the
+    route: a request failing several checks gets the first one's answer."""
+    head = request_head("POST", target, *headers, b"X-Request-Id: order-1")
+    answer = await exchange(proxy.client.server.port or 0, head, b"{}")
+    assert_answer_contract(answer, "order-1", reason)
