@@ -47,7 +47,7 @@ from proxy.errors import (
 )
 from proxy.forward import forward
 from proxy.keys import RUNTIME
-from proxy.paths import normalise_path, reserved, route_allowed
+from proxy.paths import forwardable, normalise_path
 from proxy.record import RequestRecord
 from proxy.runtime import Rules, Runtime
 from proxy.settings import ANONYMOUS_REJECT, hash_api_key
@@ -109,7 +109,12 @@ def bearer_token(authorization: str) -> str | None:
     the way Envoy and nginx meet them). Surrounding spaces and tabs are not
     part of the token.
     """
-    if authorization[:6].lower() != "bearer" or authorization[6:7] not in (" ", "\t"):
+    if (
+        not authorization.startswith("Bearer ")
+        and (  # how nearly every client writes it
+            authorization[:6].lower() != "bearer" or authorization[6:7] not in (" ", "\t")
+        )
+    ):
         return None
     return authorization[7:].strip(" \t") or None
 
@@ -172,7 +177,7 @@ async def _admit(
     # The default class is always allowed: only another one needs the set.
     if priority != tenant_config.priority and priority not in tenant_config.classes():
         raise PriorityNotAllowed(f"tenant {tenant!r} may not use priority {priority!r}")
-    if reserved(path) or not route_allowed(path, rules.routes):
+    if not forwardable(path, rules.routes):
         raise RouteNotAllowed("this path is not forwarded (see the routes setting)")
     server = config.server
     max_body = server.max_body_bytes

@@ -44,9 +44,18 @@ _REFUSED_ESCAPES = frozenset({"2F", "5C"})
 
 def normalise_path(raw: str) -> str:
     """The path to judge and forward, or ``BadRequest``; ``raw`` is the path as sent."""
-    if not raw.startswith("/"):
+    if raw[:1] != "/":
         raise BadRequest("the request target must be an absolute path")
-    if "%" in raw or "/." in raw or "//" in raw or "\\" in raw or not _VISIBLE.fullmatch(raw):
+    # Visible ASCII is printable ASCII but the space (which the HTTP parser
+    # never leaves in a target anyway); each test is one C-level scan.
+    if (
+        "%" in raw
+        or "/." in raw
+        or "//" in raw
+        or "\\" in raw
+        or not (raw.isascii() and raw.isprintable())
+        or " " in raw
+    ):
         return _normalise(raw)
     return raw  # nothing to resolve: the common case
 
@@ -101,6 +110,18 @@ def reserved(path: str) -> bool:
     """Whether ``path`` (normalised) is one of the proxy's own or below one."""
     cut = path.find("/", 1)
     return (path if cut < 0 else path[:cut]) in RESERVED
+
+
+def forwardable(path: str, routes: Collection[str]) -> bool:
+    """Whether ``path`` (normalised) may go to a replica: under a route, not reserved.
+
+    A path that is a route itself is one set lookup: entries are never
+    reserved paths (``route_problem``), and ``/``, which opens every path,
+    is not one either.
+    """
+    if path in routes:
+        return True
+    return not reserved(path) and route_allowed(path, routes)
 
 
 def route_allowed(path: str, routes: Collection[str]) -> bool:
