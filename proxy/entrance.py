@@ -109,12 +109,9 @@ def bearer_token(authorization: str) -> str | None:
     the way Envoy and nginx meet them). Surrounding spaces and tabs are not
     part of the token.
     """
-    if (
-        not authorization.startswith("Bearer ")
-        and (  # how nearly every client writes it
-            authorization[:6].lower() != "bearer" or authorization[6:7] not in (" ", "\t")
-        )
-    ):
+    if authorization.startswith("Bearer "):  # how nearly every client writes it
+        return authorization[7:].strip(" \t") or None
+    if authorization[:6].lower() != "bearer" or authorization[6:7] not in (" ", "\t"):
         return None
     return authorization[7:].strip(" \t") or None
 
@@ -176,7 +173,8 @@ async def _admit(
     path = record.path = normalise_path(record.path)
     # The default class is always allowed: only another one needs the set.
     if priority != tenant_config.priority and priority not in tenant_config.classes():
-        raise PriorityNotAllowed(f"tenant {tenant!r} may not use priority {priority!r}")
+        allowed = ", ".join(sorted(tenant_config.classes()))
+        raise PriorityNotAllowed(f"this key may not use that priority class; allowed: {allowed}")
     if not forwardable(path, rules.routes):
         raise RouteNotAllowed("this path is not forwarded (see the routes setting)")
     server = config.server
@@ -202,7 +200,7 @@ async def _admit(
     if inference and (body or not safe):
         doc = _parse_json(body)
     seatless = safe or route in SEATLESS_PATHS
-    streaming = path == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
+    streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
     record.entrance_done = runtime.clock.now()
     if runtime.shutting_down:  # seatless requests included: nothing new starts
@@ -248,7 +246,7 @@ def _priority(headers: CIMultiDictProxy[str], rules: Rules, default: str) -> str
     asked = asked.strip().lower()
     if asked not in rules.config.priorities:
         known = ", ".join(sorted(rules.config.priorities))
-        raise BadRequest(f"unknown priority {asked!r}; known: {known}")
+        raise BadRequest(f"unknown X-Priority; known: {known}")  # the value is not echoed
     return asked
 
 

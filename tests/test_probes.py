@@ -208,6 +208,9 @@ PROBES: dict[str, Probe] = {
         "POST", CHAT, (KEY, b"X-Request-Timeout-Ms: 5000"), 200, None, body=GOOD_BODY,
         reaches=PREFIX + CHAT,
     ),
+    "unknown-priority": Probe(
+        "POST", CHAT, (KEY, b"X-Priority: <zz-probe-class>"), 400, "bad_request", body=GOOD_BODY
+    ),
     "empty-body-on-inference-route": Probe("POST", CHAT, (KEY,), 400, "bad_request"),
     "json-array-on-inference-route": Probe("POST", CHAT, (KEY,), 400, "bad_request", body=b"[]"),
     # Credentials.
@@ -306,6 +309,10 @@ async def test_probe(
     assert_answer_contract(answer, request_id, probe.reason)
     if probe.allow is not None:
         assert answer.headers["allow"] == probe.allow
+    if answer.status >= 400:  # an error echoes nothing the client sent
+        for header in probe.headers:
+            value = header.partition(b":")[2].strip()
+            assert len(value) < 8 or value not in answer.body, header
     await wait_for(lambda: not proxy.runtime.active)
     seen = replica.app[SEEN]
     expected = [(probe.method, probe.reaches)] if probe.reaches is not None else []
