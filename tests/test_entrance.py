@@ -10,6 +10,7 @@ import pytest
 from proxy.entrance import MAX_JSON_DEPTH, bearer_token, json_too_deep
 from proxy.errors import BadRequest
 from proxy.paths import normalise_path, reserved, route_allowed
+from proxy.runtime import Rules
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 from tests.upstreams import Upstream
@@ -205,6 +206,21 @@ async def test_the_default_routes_forward_engine_routes_only(
     assert len(upstream_state.seen) == seen
     counter = proxy.runtime.telemetry.metrics.requests
     assert counter.labels("a", "standard", "rejected", "route_not_allowed").value == 4
+
+
+async def test_routes_follow_a_reload(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """routes is read from the rules of each request: after a reload opening "/",
+    a path refused before is forwarded."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    assert (await proxy.client.post("/custom", data=b"x", headers=AUTH)).status == 404
+    proxy.runtime.apply(Rules.from_config(make_config([upstream_url], routes=["/"])))
+    resp = await proxy.client.post("/custom", data=b"x", headers=AUTH)
+    assert resp.status == 200
+    assert (await resp.json())["path"] == "/custom"
+    assert len(upstream_state.seen) == 1
+    proxy.assert_idle()
 
 
 async def test_upstream_status_passes_through(start_proxy: Start, upstream_url: str) -> None:
