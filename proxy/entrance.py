@@ -195,11 +195,11 @@ async def _admit(
     # "/v1/chat/completions/" is judged as the route it may well reach.
     route = path[:-1] if path.endswith("/") and len(path) > 1 else path
     inference = route in INFERENCE_PATHS
-    safe = record.method in ("GET", "HEAD")
+    method = record.method
     doc = None
-    if inference and (body or not safe):
+    if inference and (body or method == "POST"):  # the method inference routes take
         doc = _parse_json(body)
-    seatless = safe or route in SEATLESS_PATHS
+    seatless = method in ("GET", "HEAD") or route in SEATLESS_PATHS
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
     record.entrance_done = runtime.clock.now()

@@ -109,6 +109,10 @@ async def test_anonymous_tenant(start_proxy: Start, upstream_url: str) -> None:
     assert (await proxy.client.post(CHAT, json={})).status == 200
     resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer wrong"})
     assert resp.status == 401
+    # A credential in another form is not "no key": it is refused, not served anonymously.
+    resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Basic YTpi"})
+    assert resp.status == 401
+    assert (await resp.json())["error"]["message"] == 'Authorization must be "Bearer <key>"'
 
 
 async def test_body_too_large_by_content_length_and_by_stream(
