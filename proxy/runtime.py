@@ -33,7 +33,7 @@ class Rules:
     keys: Mapping[str, str]
     budgets: Mapping[str, BudgetsConfig]
     #: ``routes`` as a set: the allow-list is looked up once per path segment.
-    routes: frozenset[str] = frozenset()
+    routes: frozenset[str]
 
     @classmethod
     def from_config(cls, config: Config) -> Rules:
