@@ -4,6 +4,12 @@ These never reach a replica and are never counted as requests. ``/admin/*``
 needs ``Authorization: Bearer <token>`` when the token variable named by
 ``admin.token_env`` is set; when it is unset, admin answers loopback clients
 only, so a fresh deployment is never open to the network.
+
+Every answer here carries ``X-Request-Id``; every refusal is section 6's
+error body with ``X-Admission-Reason``: 401 ``unauthenticated`` first (so
+a client without the token learns nothing about which admin paths exist),
+then 404 ``not_found`` for an unknown path and 405 ``method_not_allowed``
+(with ``Allow``) for a known one asked with another method.
 """
 
 from __future__ import annotations
@@ -11,14 +17,28 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+from collections.abc import Awaitable, Callable
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.entrance import bearer_token, error_answer, request_id_of
+from proxy.errors import InternalError, MethodNotAllowed, NotFound, ProxyError, Unauthenticated
 from proxy.keys import RUNTIME
 from proxy.runtime import Runtime
 from proxy.settings import dump_effective_config
 from proxy.telemetry.metrics import StateCollector, StateSnapshot
+
+log = structlog.get_logger(__name__)
+ReservedHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: The admin actions and the method each serves.
+ADMIN_METHODS: dict[str, tuple[str, ...]] = {
+    "config": ("GET",),
+    "state": ("GET",),
+    "reload": ("POST",),
+}
+REPLICA_ACTIONS = ("drain", "undrain")
 
 
 def state_snapshot(runtime: Runtime) -> StateSnapshot:
@@ -72,24 +92,35 @@ async def metrics(request: web.Request) -> web.Response:
 def _authorized(request: web.Request, runtime: Runtime) -> bool:
     token = os.environ.get(runtime.rules.config.admin.token_env)
     if token:
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip(), token)
+        given = bearer_token(request.headers.get("Authorization", ""))
+        # As bytes: compare_digest refuses non-ASCII text, which a client may send.
+        return given is not None and hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), token.encode("utf-8", "surrogateescape")
+        )
     try:
         return ipaddress.ip_address(request.remote or "").is_loopback
     except ValueError:
         return False
 
 
+def _admin_methods(action: str) -> tuple[str, ...] | None:
+    """The methods ``/admin/<action>`` serves, or None when there is no such path."""
+    parts = action.split("/")
+    if len(parts) == 3 and parts[0] == "replicas" and parts[2] in REPLICA_ACTIONS:
+        return ("POST",)
+    return ADMIN_METHODS.get(action)
+
+
 async def admin(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     if not _authorized(request, runtime):
-        return web.json_response(
-            {"error": {"message": "admin needs a valid bearer token", "type": "admission_error",
-                       "code": "unauthenticated"}},
-            status=401,
-        )  # fmt: skip
+        raise Unauthenticated("admin needs a valid bearer token")
     action = request.match_info["action"]
+    methods = _admin_methods(action)
+    if methods is None:
+        raise NotFound("no such admin path")
+    if request.method not in methods:
+        raise MethodNotAllowed("this admin path does not serve that method", allow=methods)
     if request.method == "GET" and action == "config":
         text = dump_effective_config(runtime.rules.config, mask_secrets=True)
         return web.Response(text=text, content_type="application/yaml")
@@ -108,13 +139,39 @@ async def admin(request: web.Request) -> web.StreamResponse:
     parts = action.split("/")
     if request.method == "POST" and len(parts) == 3 and parts[0] == "replicas":
         replica = runtime.pool.get(parts[1])
-        if replica is None or parts[2] not in ("drain", "undrain"):
-            raise web.HTTPNotFound()
+        if replica is None:
+            raise NotFound("no such replica")
         replica.draining = parts[2] == "drain"
         if not replica.draining:
             runtime.dispatcher.pump()
         return web.json_response({"replica": replica.name, "draining": replica.draining})
-    raise web.HTTPNotFound()
+    raise NotFound("no such admin path")
+
+
+def reserved_path(handler: ReservedHandler, methods: tuple[str, ...] | None) -> ReservedHandler:
+    """``handler`` behind the answers every reserved path owes its client.
+
+    ``X-Request-Id`` on every answer; 405 with ``Allow`` for a method not in
+    ``methods`` (None: the handler checks); a ``ProxyError`` becomes section
+    6's error answer, and anything unexpected a 500 ``internal_error``
+    without details (they go to the log).
+    """
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        request_id = request_id_of(request)
+        try:
+            if methods is not None and request.method not in methods:
+                raise MethodNotAllowed("this path does not serve that method", allow=methods)
+            response = await handler(request)
+        except ProxyError as err:
+            return error_answer(err, request_id)
+        except Exception:
+            log.exception("unhandled error", request_id=request_id, path=request.path)
+            return error_answer(InternalError("internal error"), request_id)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    return answer
 
 
 def _engine_state(runtime: Runtime, name: str) -> dict[str, float | None] | None:
@@ -169,7 +226,8 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
 def add_admin_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
     runtime.telemetry.metrics.registry.register(StateCollector(lambda: state_snapshot(runtime)))
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_route("*", "/admin/{action:.*}", admin)
+    get = ("GET", "HEAD")
+    app.router.add_route("*", "/healthz", reserved_path(healthz, get))
+    app.router.add_route("*", "/readyz", reserved_path(readyz, get))
+    app.router.add_route("*", "/metrics", reserved_path(metrics, get))
+    app.router.add_route("*", "/admin/{action:.*}", reserved_path(admin, None))

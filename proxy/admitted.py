@@ -22,3 +22,5 @@ class Admitted:
     seatless: bool
     inference: bool
     cost: float
+    #: The normalised path (and the query as sent): what the replica receives.
+    path_qs: str

@@ -141,12 +141,27 @@ def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
 
 
 def budget_problems(queue_ms: int, first_byte_ms: int, total_ms: int) -> list[tuple[str, str]]:
-    """Layers that could never finish inside ``total_ms``, which clips every layer."""
-    return [
+    """Layers that could never finish inside ``total_ms``, which clips every layer.
+
+    Each layer alone must fit, and so must the queue wait and the first byte
+    together (the total must cover both, plus the generation); that sum is
+    reported at ``total_ms``, and only when neither layer alone is too long.
+    """
+    problems = [
         (key, f"{key} ({value}) is above total_ms ({total_ms})")
         for key, value in (("queue_ms", queue_ms), ("first_byte_ms", first_byte_ms))
         if value > total_ms
     ]
+    if not problems and queue_ms + first_byte_ms > total_ms:
+        problems.append(
+            (
+                "total_ms",
+                f"queue_ms + first_byte_ms ({queue_ms} + {first_byte_ms} = "
+                f"{queue_ms + first_byte_ms}) is above total_ms ({total_ms}): the total must "
+                "cover the queue wait, the first byte and the generation",
+            )
+        )
+    return problems
 
 
 def valid_items(raw: object, model: type[_M]) -> dict[int | str, _M]:
@@ -238,19 +253,21 @@ def _class_problems(
 
 
 def _override_problems(name: str, tenant: TenantConfig, budgets: BudgetsConfig) -> Problems:
-    """Merged budgets that cannot fit, reported where this tenant overrides one of the pair.
+    """Merged budgets that cannot fit, reported at a key this tenant overrides.
 
-    When the tenant overrides neither key of a pair, the global ``budgets``
-    check has already reported it.
+    A layer above the total is reported at that layer, else at ``total_ms``;
+    the queue-plus-first-byte sum at ``total_ms``, else at whichever of the two
+    the tenant sets. When the tenant overrides none of the keys involved, the
+    global ``budgets`` check has already reported it.
     """
     own = tenant.budgets
     merged = budgets.model_copy(update=own.model_dump(exclude_none=True))
     problems: Problems = []
     for key, message in budget_problems(merged.queue_ms, merged.first_byte_ms, merged.total_ms):
-        if getattr(own, key) is not None:
-            problems.append(((name, "budgets", key), f"merged {message}"))
-        elif own.total_ms is not None:
-            problems.append(((name, "budgets", "total_ms"), f"merged {message}"))
+        involved = (key, "first_byte_ms", "queue_ms") if key == "total_ms" else (key, "total_ms")
+        where = next((k for k in involved if getattr(own, k) is not None), None)
+        if where is not None:
+            problems.append(((name, "budgets", where), f"merged {message}"))
     return problems
 
 

@@ -6,8 +6,14 @@ where a ``ProxyError`` becomes an HTTP response. It writes the request's end
 into its record exactly once, whatever happened (``finally``), which is what
 makes "every request ends exactly once with one outcome" hold.
 
-Order of checks (DESIGN section 12): 401, 400 (headers), 403, 413 on
-Content-Length, rate limit, body read (408, 413, 400), then admission.
+Order of checks: 401, 400 (headers: ``X-Priority``, ``X-Request-Timeout-Ms``,
+the path), 403, 404 ``route_not_allowed``, 413 on Content-Length, rate limit,
+body read (408, 413, 400), 503 ``shutting_down``, then admission. The route
+check comes after every header check so that a client without a valid key
+learns nothing about which paths exist.
+
+The path is normalised once, here (``paths.normalise_path``); every decision
+below and the replica see that one string.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -29,14 +36,18 @@ from proxy.errors import (
     BadRequest,
     BodyTooLarge,
     EntranceTimeout,
+    InternalError,
+    MethodNotAllowed,
     PriorityNotAllowed,
     ProxyError,
     RateLimited,
+    RouteNotAllowed,
     ShuttingDown,
     Unauthenticated,
 )
 from proxy.forward import forward
 from proxy.keys import RUNTIME
+from proxy.paths import forwardable, normalise_path
 from proxy.record import RequestRecord
 from proxy.runtime import Rules, Runtime
 from proxy.settings import ANONYMOUS_REJECT, hash_api_key
@@ -54,6 +65,14 @@ DEFAULT_OUTPUT_TOKENS = 256
 #: Estimated cost is capped so one request cannot claim the whole fair share.
 MAX_ESTIMATED_COST = 4096
 MAX_REQUEST_ID_LEN = 128
+#: ``X-Request-Timeout-Ms`` digits: ten already allow 115 days.
+MAX_TIMEOUT_DIGITS = 10
+#: JSON nesting allowed in an inference body. Real requests nest a few levels;
+#: deeper ones only cost parsing here and in the engine (whose parser may recurse).
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_RUN = re.compile(rb"[\[{]+|[\]}]+")
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 READ_CHUNK = 64 * 1024
 
@@ -64,17 +83,37 @@ def retry_after_header(seconds: float) -> str:
 
 
 def error_response(err: ProxyError, record: RequestRecord) -> web.Response:
+    return error_answer(err, record.request_id, {"Server-Timing": record.server_timing()})
+
+
+def error_answer(
+    err: ProxyError, request_id: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """Section 6's error answer: the JSON body, ``X-Request-Id``, ``X-Admission-Reason``."""
     body = {"error": {"message": err.message, "type": "admission_error", "code": err.reason}}
-    headers = {
-        "X-Request-Id": record.request_id,
-        "X-Admission-Reason": err.reason,
-        "Server-Timing": record.server_timing(),
-    }
+    headers = {**(headers or {}), "X-Request-Id": request_id, "X-Admission-Reason": err.reason}
     if err.status in (429, 503):
         headers["Retry-After"] = retry_after_header(err.retry_after_s or 1.0)
     if isinstance(err, ShuttingDown):
         headers["Connection"] = "close"
+    if isinstance(err, MethodNotAllowed):
+        headers["Allow"] = ", ".join(err.allow)
     return web.json_response(body, status=err.status, headers=headers)
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of ``Bearer <token>``, or None for any other form.
+
+    The scheme is case-insensitive and may be followed by any run of spaces
+    or tabs (RFC 7235 asks for one space; clients that write a tab are met
+    the way Envoy and nginx meet them). Surrounding spaces and tabs are not
+    part of the token.
+    """
+    if authorization.startswith("Bearer "):  # how nearly every client writes it
+        return authorization[7:].strip(" \t") or None
+    if authorization[:6].lower() != "bearer" or authorization[6:7] not in (" ", "\t"):
+        return None
+    return authorization[7:].strip(" \t") or None
 
 
 def request_id_of(request: web.Request) -> str:
@@ -92,7 +131,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         request_id=request_id_of(request),
         arrival=runtime.clock.now(),
         method=request.method,
-        path=request.path,
+        path=request.rel_url.raw_path,
     )
     record.wall_arrival_ns = time.time_ns()
     record.trace = runtime.telemetry.tracing.start_request(request.headers, record)
@@ -111,13 +150,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
         raise
     except Exception:
         log.exception("unhandled error", request_id=record.request_id)
-        record.status, record.outcome, record.reason = 500, "failed", "internal_error"
-        return web.json_response(
-            {"error": {"message": "internal error", "type": "admission_error",
-                       "code": "internal_error"}},
-            status=500,
-            headers={"X-Request-Id": record.request_id},
-        )  # fmt: skip
+        internal = InternalError("internal error")
+        record.fail(internal)
+        return error_response(internal, record)
     finally:
         runtime.leave(record)
         record.end(runtime.clock.now())
@@ -134,10 +169,14 @@ async def _admit(
     tenant_config = config.tenants[tenant]
     priority = _priority(headers, rules, tenant_config.priority)
     record.priority = priority
+    client_timeout_ms = _client_timeout_ms(headers)
+    path = record.path = normalise_path(record.path)
     # The default class is always allowed: only another one needs the set.
     if priority != tenant_config.priority and priority not in tenant_config.classes():
-        raise PriorityNotAllowed(f"tenant {tenant!r} may not use priority {priority!r}")
-    client_timeout_ms = _client_timeout_ms(headers)
+        allowed = ", ".join(sorted(tenant_config.classes()))
+        raise PriorityNotAllowed(f"this key may not use that priority class; allowed: {allowed}")
+    if not forwardable(path, rules.routes):
+        raise RouteNotAllowed("this path is not forwarded (see the routes setting)")
     server = config.server
     max_body = server.max_body_bytes
     content_length = request.content_length
@@ -153,13 +192,19 @@ async def _admit(
     record.total_budget_ms = (deadline.total_at - arrival) * 1000.0
     entrance_until = arrival + server.entrance_ms / 1000.0
     body = await _read_body(request, max_body, entrance_until, runtime)
-    path = record.path
-    inference = path in INFERENCE_PATHS
-    doc = _parse_json(body) if inference and body else None
-    seatless = record.method in ("GET", "HEAD") or path in SEATLESS_PATHS
-    streaming = path == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
+    # "/v1/chat/completions/" is judged as the route it may well reach.
+    route = path[:-1] if path.endswith("/") and len(path) > 1 else path
+    inference = route in INFERENCE_PATHS
+    method = record.method
+    doc = None
+    if inference and (body or method == "POST"):  # the method inference routes take
+        doc = _parse_json(body)
+    seatless = method in ("GET", "HEAD") or route in SEATLESS_PATHS
+    streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
     record.entrance_done = runtime.clock.now()
+    if runtime.shutting_down:  # seatless requests included: nothing new starts
+        raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
     return Admitted(
         tenant=tenant,
         priority=priority,
@@ -169,6 +214,7 @@ async def _admit(
         seatless=seatless,
         inference=inference,
         cost=estimate_cost(body, doc),
+        path_qs=path + "?" + query if (query := request.rel_url.raw_query_string) else path,
     )
 
 
@@ -176,15 +222,18 @@ def _identify(headers: CIMultiDictProxy[str], rules: Rules) -> str:
     key = headers.get("X-API-Key")
     auth = headers.get("Authorization")
     if key is None and auth is not None:
-        scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            key = value.strip()
+        key = bearer_token(auth)
+        if key is None:
+            raise Unauthenticated('Authorization must be "Bearer <key>"')
     if key is None:
         anonymous = rules.config.anonymous
         if anonymous == ANONYMOUS_REJECT:
             raise Unauthenticated("an API key is required (Authorization: Bearer or X-API-Key)")
         return anonymous
-    tenant = rules.keys.get(hash_api_key(key))
+    try:
+        tenant = rules.keys.get(hash_api_key(key))
+    except UnicodeEncodeError:  # bytes that are not UTF-8: no configured key has them
+        tenant = None
     if tenant is None:
         raise Unauthenticated("unknown API key")
     return tenant
@@ -197,7 +246,7 @@ def _priority(headers: CIMultiDictProxy[str], rules: Rules, default: str) -> str
     asked = asked.strip().lower()
     if asked not in rules.config.priorities:
         known = ", ".join(sorted(rules.config.priorities))
-        raise BadRequest(f"unknown priority {asked!r}; known: {known}")
+        raise BadRequest(f"unknown X-Priority; known: {known}")  # the value is not echoed
     return asked
 
 
@@ -206,9 +255,17 @@ def _client_timeout_ms(headers: CIMultiDictProxy[str]) -> int | None:
     if value is None:
         return None
     value = value.strip()
-    if not value.isdigit() or int(value) <= 0:
+    # Only ASCII digits are numbers ("²" and "٥" pass isdigit()), and only a
+    # few of them (int() refuses more than 4,300).
+    if not (0 < len(value) <= MAX_TIMEOUT_DIGITS and value.isascii() and value.isdigit()):
+        raise BadRequest(
+            f"X-Request-Timeout-Ms must be a positive integer of milliseconds, "
+            f"at most {MAX_TIMEOUT_DIGITS} ASCII digits"
+        )
+    timeout_ms = int(value)
+    if timeout_ms <= 0:
         raise BadRequest("X-Request-Timeout-Ms must be a positive integer of milliseconds")
-    return int(value)
+    return timeout_ms
 
 
 async def _read_body(request: web.Request, max_body: int, until: float, runtime: Runtime) -> bytes:
@@ -236,11 +293,41 @@ async def _read_body(request: web.Request, max_body: int, until: float, runtime:
     return b"".join(chunks)
 
 
-def _parse_json(body: bytes) -> Any:
+def _parse_json(body: bytes) -> dict[str, Any]:
+    """The JSON object an inference route takes, or ``BadRequest``."""
+    if not body:
+        raise BadRequest("an inference route needs a JSON body")
+    if json_too_deep(body, MAX_JSON_DEPTH):
+        raise BadRequest(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(body)
-    except ValueError as exc:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise BadRequest("the body of an inference route must be a JSON object")
+    return doc
+
+
+def json_too_deep(body: bytes, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than ``limit``, without recursing.
+
+    A body with at most ``limit`` opening brackets cannot be too deep: the
+    common case costs two ``count`` calls. Otherwise strings are cut out
+    and the runs of opening and closing brackets are summed, so a body that
+    is one long run costs one step, not one per bracket.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKET)
+    depth = 0
+    for run in _BRACKET_RUN.findall(brackets):
+        if run[0] in b"[{":
+            depth += len(run)
+            if depth > limit:
+                return True
+        else:
+            depth -= len(run)
+    return False
 
 
 def estimate_cost(body: bytes, doc: Any) -> float:

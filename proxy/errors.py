@@ -11,6 +11,9 @@ translates aiohttp's client errors into them.
     │   ├── BadRequest                 400 bad_request
     │   ├── Unauthenticated            401 unauthenticated
     │   ├── PriorityNotAllowed         403 priority_not_allowed
+    │   ├── RouteNotAllowed            404 route_not_allowed
+    │   ├── NotFound                   404 not_found (reserved paths)
+    │   ├── MethodNotAllowed           405 method_not_allowed (reserved paths)
     │   ├── BodyTooLarge               413 body_too_large
     │   ├── RateLimited                429 rate_limited
     │   ├── TenantQueueFull            429 tenant_queue_full
@@ -26,10 +29,11 @@ translates aiohttp's client errors into them.
     │   ├── FirstByteTimeout           504 first_byte_timeout
     │   ├── IdleTimeout                504 idle_timeout
     │   └── TotalTimeout               504 total_timeout
-    └── UpstreamFailed                 outcome "failed"
-        ├── UpstreamConnectError       502 upstream_connect_error
-        └── UpstreamProtocolError      502 upstream_protocol_error
-            └── ResetBeforeFirstByte   502 upstream_protocol_error
+    ├── UpstreamFailed                 outcome "failed"
+    │   ├── UpstreamConnectError       502 upstream_connect_error
+    │   └── UpstreamProtocolError      502 upstream_protocol_error
+    │       └── ResetBeforeFirstByte   502 upstream_protocol_error
+    └── InternalError                  500 internal_error, outcome "failed"
 
 ``retry_class`` names the ``retry.retry_on`` class a failure belongs to, or
 ``None`` when it is never retried.
@@ -77,6 +81,32 @@ class Unauthenticated(Rejected):
 class PriorityNotAllowed(Rejected):
     status = 403
     reason = "priority_not_allowed"
+
+
+class RouteNotAllowed(Rejected):
+    """A path outside the ``routes`` allow-list, or one of the proxy's own reached
+    by another spelling: never forwarded."""
+
+    status = 404
+    reason = "route_not_allowed"
+
+
+class NotFound(Rejected):
+    """An unknown ``/admin/*`` path (or replica)."""
+
+    status = 404
+    reason = "not_found"
+
+
+class MethodNotAllowed(Rejected):
+    """A reserved path asked with a method it does not serve; ``allow`` lists those it does."""
+
+    status = 405
+    reason = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.allow = allow
 
 
 class BodyTooLarge(Rejected):
@@ -183,3 +213,10 @@ class ResetBeforeFirstByte(UpstreamProtocolError):
     """The replica closed or reset the connection before any body byte."""
 
     retry_class = "reset_before_first_byte"
+
+
+class InternalError(ProxyError):
+    """A bug: an exception no layer expected. Answered without details, logged with them."""
+
+    status = 500
+    reason = "internal_error"

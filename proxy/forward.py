@@ -195,7 +195,7 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
     headers["Accept-Encoding"] = "identity"  # the relay reads SSE events as they pass
     return UpstreamRequest(
         method=request.method,
-        path_qs=request.rel_url.raw_path_qs,
+        path_qs=admitted.path_qs,
         headers=headers,
         body=admitted.body,
         streaming=admitted.streaming,

@@ -35,6 +35,8 @@ class Rules:
     budgets: Mapping[str, BudgetsConfig]
     #: ``timeouts.connect_ms`` as aiohttp takes it, built once per config.
     upstream_timeout: aiohttp.ClientTimeout
+    #: ``routes`` as a set: the allow-list is looked up once per path segment.
+    routes: frozenset[str]
 
     @classmethod
     def from_config(cls, config: Config) -> Rules:
@@ -43,6 +45,7 @@ class Rules:
             keys=config.key_index(),
             budgets={name: config.budgets_for(name) for name in config.tenants},
             upstream_timeout=upstream_timeout(config.timeouts.connect_ms / 1000.0),
+            routes=frozenset(config.routes),
         )
 
     def tenant_limits(self) -> dict[str, TenantLimits]:

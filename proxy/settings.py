@@ -27,7 +27,11 @@ Choices the contract left open:
   ``timeouts.connect_ms`` and ``idle_ms`` must be positive, and
   ``retry.max_backoff_ms`` at least ``base_backoff_ms``;
 - an ``ADMISSION_PRIORITIES__<CLASS>__WEIGHT`` override changes or adds one
-  class on top of the file's (or the default) classes.
+  class on top of the file's (or the default) classes;
+- ``queue_ms + first_byte_ms`` must fit in ``total_ms`` (merged, per tenant),
+  not only each alone: the total must also leave the generation some time;
+- ``routes`` entries are normalised path prefixes (``paths.route_problem``);
+  a reserved path as an entry, or no entry at all, is an error.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from proxy.config_errors import (
 )
 from proxy.config_errors import hash_api_key as hash_api_key
 from proxy.config_errors import stored_key_digest as stored_key_digest
+from proxy.paths import route_problem
 from proxy.tls import TLS_KEYS, TlsFileError, load_context
 
 RetryClass = Literal[
@@ -125,6 +130,27 @@ DEFAULT_MIN_RETRIES_PER_S = 3.0
 #: Class weights when ``priorities`` is absent: interactive first, batch never starved.
 DEFAULT_PRIORITY_WEIGHTS: Mapping[str, float] = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}
 DEFAULT_MAX_TENANT_LABELS = 100
+#: Path prefixes forwarded to replicas: the inference, tokenizer and model routes
+#: of the OpenAI-compatible servers (vLLM, SGLang, llama.cpp), TGI and llama.cpp's
+#: own API. Engine control routes (a simulator's ``/sim/faults``, admin routes)
+#: are not among them.
+DEFAULT_ROUTES: tuple[str, ...] = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/v1/rerank",
+    "/generate",
+    "/generate_stream",
+    "/tokenize",
+    "/detokenize",
+    "/completion",
+    "/completions",
+    "/embedding",
+    "/embeddings",
+    "/infill",
+    "/rerank",
+)
 #: ``anonymous`` value that answers requests without a key with 401.
 ANONYMOUS_REJECT = "reject"
 DEFAULT_TENANT_PRIORITY = "standard"
@@ -173,7 +199,15 @@ def _check_path(value: str) -> str:
     return value
 
 
+def _check_route(value: str) -> str:
+    problem = route_problem(value)
+    if problem is not None:
+        raise rule(problem)
+    return value
+
+
 HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]
+Route = Annotated[str, AfterValidator(_check_route)]
 ApiKey = Annotated[str, AfterValidator(_check_api_key)]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 
@@ -421,6 +455,8 @@ class Config(BaseSettings):
     retry: RetryConfig = RetryConfig()
     priorities: dict[Name, PriorityConfig] = Field(default_factory=_default_priorities)
     telemetry: TelemetryConfig = TelemetryConfig()
+    #: Path prefixes forwarded to replicas, matched by whole segments ("/" opens all).
+    routes: tuple[Route, ...] = DEFAULT_ROUTES
     anonymous: str = ANONYMOUS_REJECT
     tenants: dict[Name, TenantConfig]
 
@@ -460,6 +496,13 @@ class Config(BaseSettings):
         if not priorities:
             raise rule("at least one priority class is required")
         return priorities
+
+    @field_validator("routes")
+    @classmethod
+    def _check_routes(cls, routes: tuple[str, ...]) -> tuple[str, ...]:
+        if not routes:
+            raise rule('at least one route is required ("/" forwards every path)')
+        return routes
 
     @field_validator("tenants", mode="wrap")
     @classmethod

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.clock import Clock
 from proxy.deadline import Deadline
@@ -225,9 +226,11 @@ async def _send(
     headers: CIMultiDict[str],
     client_timeout: aiohttp.ClientTimeout | None = None,
 ) -> aiohttp.ClientResponse:
+    # Already normalised at the entrance: ``encoded=True`` keeps yarl from
+    # resolving dot segments (or re-quoting) after the replica's prefix is joined.
     return await session.request(
         request.method,
-        replica.url + request.path_qs,
+        URL(replica.url + request.path_qs, encoded=True),
         headers=headers,
         skip_auto_headers=None if "User-Agent" in headers else NO_USER_AGENT,
         data=request.body if request.body else None,

@@ -324,7 +324,8 @@ async def test_a_dropped_connection_is_not_resent_on_other_routes(
 ) -> None:
     """Outside inference routes a repeated POST may have side effects: the failure
     stands; a GET is safe to send again."""
-    proxy = await start_proxy(make_config([upstream_url], retry={"max_attempts": 1}))
+    config = make_config([upstream_url], retry={"max_attempts": 1}, routes=["/v1"])
+    proxy = await start_proxy(config)
     stream = {"messages": [], "max_tokens": 2, "stream": True, "stale_after": True}
     async with proxy.client.post(CHAT, json=stream, headers=AUTH) as first:
         await first.read()

@@ -283,7 +283,7 @@ async def test_reload_applies_the_connect_timeout(start_proxy: Start, tmp_path: 
             "replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}", "max_concurrency": 4}],
             "tenants": {"a": {"api_keys": [KEY_A]}},
             "warmup": {"requests": 0},
-            "budgets": {"queue_ms": 1000, "first_byte_ms": 3000, "total_ms": 3000},
+            "budgets": {"queue_ms": 1000, "first_byte_ms": 2000, "total_ms": 3000},
             "retry": {"max_attempts": 1},
             "timeouts": {"connect_ms": 60_000},
         }

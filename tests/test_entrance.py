@@ -7,6 +7,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from proxy.entrance import MAX_JSON_DEPTH, bearer_token, json_too_deep
+from proxy.errors import BadRequest
+from proxy.paths import normalise_path, reserved, route_allowed
+from proxy.runtime import Rules
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 from tests.upstreams import Upstream
@@ -105,6 +109,10 @@ async def test_anonymous_tenant(start_proxy: Start, upstream_url: str) -> None:
     assert (await proxy.client.post(CHAT, json={})).status == 200
     resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer wrong"})
     assert resp.status == 401
+    # A credential in another form is not "no key": it is refused, not served anonymously.
+    resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Basic YTpi"})
+    assert resp.status == 401
+    assert (await resp.json())["error"]["message"] == 'Authorization must be "Bearer <key>"'
 
 
 async def test_body_too_large_by_content_length_and_by_stream(
@@ -164,22 +172,64 @@ async def test_reserved_paths_are_not_proxied(
     assert upstream_state.seen == []
 
 
-async def test_other_paths_are_proxied_to_the_replica(
-    start_proxy: Start, upstream_url: str
+async def test_paths_under_a_route_are_proxied_to_the_replica(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
 ) -> None:
-    """Any non-reserved path goes to a configured replica, query string included."""
-    proxy = await start_proxy(make_config([upstream_url]))
+    """A path under a configured route goes to a replica, query string included;
+    any other gets 404 route_not_allowed and reaches no replica."""
+    proxy = await start_proxy(make_config([upstream_url], routes=["/custom", "/v1/models"]))
     resp = await proxy.client.post("/custom/route?x=1", data=b"abc", headers=AUTH)
     assert resp.status == 200
     assert await resp.json() == {"method": "POST", "path": "/custom/route?x=1", "body_bytes": 3}
     resp = await proxy.client.get("/v1/models", headers=AUTH)
     assert resp.status == 200
+    seen = len(upstream_state.seen)
+    for path in ("/customer", "/v1/chat/completions", "/other"):
+        resp = await proxy.client.post(path, json={}, headers=AUTH)
+        assert resp.status == 404, path
+        assert resp.headers["X-Admission-Reason"] == "route_not_allowed"
+        assert (await resp.json())["error"]["code"] == "route_not_allowed"
+    assert len(upstream_state.seen) == seen
+    proxy.assert_idle()
+
+
+async def test_the_default_routes_forward_engine_routes_only(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """Without routes: inference and model routes go through; an engine's own
+    control route (/sim/faults) and unknown paths get 404 route_not_allowed."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    for path in ("/v1/embeddings", "/v1/models/some-model", "/tokenize", "/infill"):
+        resp = await proxy.client.post(path, json={"input": "x"}, headers=AUTH)
+        assert resp.status == 200, path
+    seen = len(upstream_state.seen)
+    for path in ("/sim/faults", "/health", "/completionx", "/v1/other"):
+        resp = await proxy.client.post(path, json={}, headers=AUTH)
+        assert resp.status == 404, path
+        assert resp.headers["X-Admission-Reason"] == "route_not_allowed"
+    assert len(upstream_state.seen) == seen
+    counter = proxy.runtime.telemetry.metrics.requests
+    assert counter.labels("a", "standard", "rejected", "route_not_allowed").value == 4
+
+
+async def test_routes_follow_a_reload(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """routes is read from the rules of each request: after a reload opening "/",
+    a path refused before is forwarded."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    assert (await proxy.client.post("/custom", data=b"x", headers=AUTH)).status == 404
+    proxy.runtime.apply(Rules.from_config(make_config([upstream_url], routes=["/"])))
+    resp = await proxy.client.post("/custom", data=b"x", headers=AUTH)
+    assert resp.status == 200
+    assert (await resp.json())["path"] == "/custom"
+    assert len(upstream_state.seen) == 1
     proxy.assert_idle()
 
 
 async def test_upstream_status_passes_through(start_proxy: Start, upstream_url: str) -> None:
     """An upstream's own 4xx keeps its status and body, tagged upstream_status."""
-    proxy = await start_proxy(make_config([upstream_url]))
+    proxy = await start_proxy(make_config([upstream_url], routes=["/status"]))
     resp = await proxy.client.post("/status/422", json={}, headers=AUTH)
     assert resp.status == 422
     assert resp.headers["X-Admission-Reason"] == "upstream_status"
@@ -198,3 +248,115 @@ async def test_rate_limited_with_retry_after_from_the_bucket(
     assert refused.headers["X-Admission-Reason"] == "rate_limited"
     assert refused.headers["Retry-After"] == "2"
     proxy.assert_idle()
+
+
+# --- the path, the allow-list and the parsers, without sockets -----------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("/v1/chat/completions", "/v1/chat/completions"),
+        ("/x/../v1/chat/completions", "/v1/chat/completions"),
+        ("/v1/./models", "/v1/models"),
+        ("/a/b/..", "/a/"),
+        ("/a/.", "/a/"),
+        ("/v1/%2e%2E/v1/models", "/v1/models"),
+        ("/v1/chat/%63ompletions", "/v1/chat/completions"),
+        ("/v1/models/a%20b", "/v1/models/a%20b"),
+        ("/.well-known/x", "/.well-known/x"),
+        ("/v1/models/", "/v1/models/"),
+        ("/", "/"),
+    ],
+)
+def test_normalise_path(raw: str, expected: str) -> None:
+    """Dot segments resolved, unreserved escapes decoded, other escapes kept as sent."""
+    assert normalise_path(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        ("/..", "above the root"),
+        ("/v1/../../admin-secret", "above the root"),
+        ("/v1/%2e%2e/%2E%2E/secret", "above the root"),
+        ("/v1%2fchat", "encoded slash"),
+        ("/v1%2F..%2Fsecret", "encoded slash"),
+        ("/v1%5c..", "encoded slash or backslash"),
+        ("/v1\\..\\secret", "backslash"),
+        ("/v1//chat/completions", "empty segment"),
+        ("/v1/%00", "control character"),
+        ("/v1/%0a", "control character"),
+        ("/v1/%zz", "malformed"),
+        ("/v1/%4", "malformed"),
+        ("/caf\u00e9", "visible ASCII"),
+        ("/a b", "visible ASCII"),
+        ("*", "absolute path"),
+    ],
+)
+def test_normalise_path_refuses(raw: str, why: str) -> None:
+    """Each ambiguous or escaping spelling is a BadRequest saying why."""
+    with pytest.raises(BadRequest, match=why):
+        normalise_path(raw)
+
+
+@pytest.mark.parametrize(
+    ("path", "routes", "allowed"),
+    [
+        ("/v1/models", {"/v1/models"}, True),
+        ("/v1/models/my-model", {"/v1/models"}, True),
+        ("/v1/models/", {"/v1/models"}, True),
+        ("/v1/modelsx", {"/v1/models"}, False),
+        ("/completionx", {"/completion"}, False),
+        ("/v1", {"/v1/models"}, False),
+        ("/anything/at/all", {"/"}, True),
+        ("/", {"/v1"}, False),
+    ],
+)
+def test_route_allowed_by_whole_segments(path: str, routes: set[str], allowed: bool) -> None:
+    """A route lets itself and the paths below it through, never a longer name."""
+    assert route_allowed(path, routes) is allowed
+
+
+@pytest.mark.parametrize(
+    ("path", "is_reserved"),
+    [("/healthz", True), ("/admin/config", True), ("/metrics/x", True), ("/adminx", False)],
+)
+def test_reserved_paths_by_whole_segments(path: str, is_reserved: bool) -> None:
+    """The proxy's own paths and everything below them, not longer names."""
+    assert reserved(path) is is_reserved
+
+
+@pytest.mark.parametrize(
+    ("body", "too_deep"),
+    [
+        (b"[" * 64 + b"]" * 64, False),
+        (b"[" * 65 + b"]" * 65, True),
+        (b'{"a":' * 65 + b"1" + b"}" * 65, True),
+        (b"[" + b"[]," * 1000 + b"[]]", False),  # many brackets, shallow
+        (b'{"s": "' + b"[" * 500 + b'"}', False),  # brackets inside a string
+        (b'{"s": "\\"[[[' + b"[" * 500 + b'"}', False),  # after an escaped quote
+        (b"[" * 100_000, True),
+    ],
+)
+def test_json_depth_scan(body: bytes, too_deep: bool) -> None:
+    """Nesting counted outside strings, against the limit, without recursion."""
+    assert json_too_deep(body, MAX_JSON_DEPTH) is too_deep
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        ("Bearer k1", "k1"),
+        ("bearer k1", "k1"),
+        ("Bearer\tk1", "k1"),
+        ("Bearer \t  k1 ", "k1"),
+        ("Bearerk1", None),
+        ("Bearer ", None),
+        ("Basic k1", None),
+        ("", None),
+    ],
+)
+def test_bearer_token(header: str, token: str | None) -> None:
+    """Any run of spaces and tabs after the scheme; anything else is no bearer token."""
+    assert bearer_token(header) == token

@@ -54,6 +54,7 @@ DESIGN_KEY_ORDER = [
     "retry",
     "priorities",
     "telemetry",
+    "routes",
     "anonymous",
     "tenants",
 ]
@@ -102,6 +103,25 @@ def _lookup(node: Any, path: str) -> Any:
 
 # --- defaults --------------------------------------------------------------
 
+#: The default allow-list, as docs/DEPLOYMENT.md lists it.
+DEFAULT_ROUTES_AS_DOCUMENTED = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/v1/rerank",
+    "/generate",
+    "/generate_stream",
+    "/tokenize",
+    "/detokenize",
+    "/completion",
+    "/completions",
+    "/embedding",
+    "/embeddings",
+    "/infill",
+    "/rerank",
+)
+
 
 @pytest.mark.parametrize(
     ("path", "expected"),
@@ -139,6 +159,7 @@ def _lookup(node: Any, path: str) -> Any:
         ("priorities.standard.weight", 3),
         ("priorities.batch.weight", 1),
         ("telemetry.max_tenant_labels", 100),
+        ("routes", DEFAULT_ROUTES_AS_DOCUMENTED),
         ("anonymous", "reject"),
         ("tenants.acme.priority", "standard"),
         ("tenants.acme.allowed_priorities", None),
@@ -175,6 +196,11 @@ def test_replica_url_is_stored_without_trailing_slash() -> None:
     """A URL with a trailing slash and a path prefix: kept without the slash."""
     replicas = [{"name": "a", "url": "https://gpu.internal:8443/v/", "max_concurrency": 1}]
     assert _parse({"replicas": replicas}).replicas[0].url == "https://gpu.internal:8443/v"
+
+
+def test_routes_open_more_paths_or_every_path() -> None:
+    """routes given: kept as written; "/" (everything) and a new prefix are valid entries."""
+    assert _parse({"routes": ["/", "/v1/audio"]}).routes == ("/", "/v1/audio")
 
 
 def test_config_is_frozen() -> None:
@@ -257,6 +283,35 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         {"tenants": {"acme": {"budgets": {"total_ms": 5000}}}},
         {"tenants.acme.budgets.total_ms": "merged first_byte_ms (10000) is above total_ms"},
     ),
+    (
+        "global queue plus first byte above total",
+        {"budgets": {"queue_ms": 3000, "first_byte_ms": 8000, "total_ms": 10000}},
+        {"budgets.total_ms": "queue_ms + first_byte_ms (3000 + 8000 = 11000) is above total_ms"},
+    ),
+    (
+        "tenant total below merged queue plus first byte",
+        {"tenants": {"acme": {"budgets": {"total_ms": 11000}}}},
+        {"tenants.acme.budgets.total_ms": "merged queue_ms + first_byte_ms (2000 + 10000"},
+    ),
+    (
+        "tenant first byte fills its merged total",
+        {"tenants": {"acme": {"budgets": {"first_byte_ms": 59000}}}},
+        {"tenants.acme.budgets.first_byte_ms": "(2000 + 59000 = 61000) is above total_ms (60000)"},
+    ),
+    (
+        "tenant queue fills its merged total",
+        {"tenants": {"acme": {"budgets": {"queue_ms": 55000}}}},
+        {"tenants.acme.budgets.queue_ms": "merged queue_ms + first_byte_ms"},
+    ),
+    ("route without slash", {"routes": ["v1/audio"]}, {"routes[0]": 'start with "/"'}),
+    ("route with dots", {"routes": ["/v1", "/v1/../admin"]}, {"routes[1]": "normalised"}),
+    ("route with //", {"routes": ["/v1//models"]}, {"routes[0]": "normalised"}),
+    ("route trailing slash", {"routes": ["/v1/"]}, {"routes[0]": 'must not end with "/"'}),
+    ("route escape", {"routes": ["/v1%2Fx"]}, {"routes[0]": "no %, ? or #"}),
+    ("route query", {"routes": ["/v1?x=1"]}, {"routes[0]": "no %, ? or #"}),
+    ("route reserved", {"routes": ["/admin/config"]}, {"routes[0]": "never forwarded"}),
+    ("route reserved metrics", {"routes": ["/metrics"]}, {"routes[0]": "never forwarded"}),
+    ("no routes", {"routes": []}, {"routes": "at least one route"}),
     ("jitter", {"retry": {"jitter": "some"}}, {"retry.jitter": "'full', 'equal' or 'none'"}),
     ("retry class", {"retry": {"retry_on": ["http_418"]}}, {"retry.retry_on[0]": "http_429"}),
     ("attempts", {"retry": {"max_attempts": 0}}, {"retry.max_attempts": "greater"}),

@@ -170,6 +170,39 @@ async def test_one_upstream_span_per_attempt(
     assert root.attributes is not None and root.attributes["admission.reason"] == "upstream_status"
 
 
+@pytest.mark.parametrize(
+    ("path", "headers", "reason"),
+    [
+        (CHAT, {}, "unauthenticated"),
+        (CHAT, {**AUTH, "X-Request-Timeout-Ms": "\u00b2"}, "bad_request"),
+        ("/sim/faults", AUTH, "route_not_allowed"),
+    ],
+)
+async def test_refused_at_the_entrance_still_has_an_entrance_span(
+    start_proxy: Start,
+    upstream_url: str,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+    path: str,
+    headers: dict[str, str],
+    reason: str,
+) -> None:
+    """A request refused before its body was read: proxy.entrance under proxy.request,
+    from arrival to the answer, the root marked with the reason."""
+    proxy = await start_proxy(make_config([upstream_url]), tracer_provider=provider)
+    resp = await proxy.client.post(path, json={}, headers=headers)
+    assert resp.headers["X-Admission-Reason"] == reason
+    spans = await finished(proxy, exporter)
+    (root,) = spans["proxy.request"]
+    (entrance,) = spans["proxy.entrance"]
+    assert entrance.parent is not None and entrance.parent.span_id == root.context.span_id
+    assert root.start_time == entrance.start_time
+    assert entrance.end_time is not None and root.end_time is not None
+    assert entrance.end_time <= root.end_time
+    assert root.attributes is not None and root.attributes["admission.reason"] == reason
+    assert "proxy.queue" not in spans and "proxy.upstream" not in spans
+
+
 async def test_access_line_carries_the_trace_id(
     start_proxy: Start, upstream_url: str, provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:

@@ -183,8 +183,9 @@ class Tracing:
                                      attributes=attributes)  # fmt: skip
             span.end(end_time=_ns(record, max(start, stop)))
 
-        if record.entrance_done is not None:
-            child("proxy.entrance", record.arrival, record.entrance_done)
+        # A request refused at the entrance has one too, up to its answer.
+        entrance_end = record.entrance_done if record.entrance_done is not None else end
+        child("proxy.entrance", record.arrival, entrance_end)
         if record.enqueued_at is not None:
             left = record.dispatched_at if record.dispatched_at is not None else end
             child(
