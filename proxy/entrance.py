@@ -154,6 +154,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         record.fail(internal)
         return error_response(internal, record)
     finally:
+        if runtime.grace_over and record.outcome == "cancelled":
+            record.cut_by_shutdown()  # the proxy closed the connection, not the client
         runtime.leave(record)
         record.end(runtime.clock.now())
         runtime.telemetry.request_ended(record)

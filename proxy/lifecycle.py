@@ -119,6 +119,7 @@ async def serve(config: Config, host: str, port: int, config_path: str | None = 
         await stop.wait()
         grace_s = runtime.rules.config.server.shutdown_grace_ms / 1000.0
         finished = await runtime.wait_idle(grace_s)
+        runtime.grace_over = not finished
         log.info("drained" if finished else "grace period over", inflight=len(runtime.active))
     finally:
         await runner.cleanup()

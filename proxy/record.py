@@ -39,6 +39,8 @@ class RequestRecord:
     #: The replica's answer was read to its end: its seat needs no cancel grace.
     upstream_done: bool = False
     status: int = 0
+    #: The status the client was sent before ``cancel`` logged 499 (shutdown may undo it).
+    status_sent: int = 0
     outcome: Outcome | None = None
     reason: str = "none"
     timeout_layer: str | None = None
@@ -76,7 +78,16 @@ class RequestRecord:
 
     def cancel(self) -> None:
         """The client left: logged with status 499 (DESIGN section 12)."""
+        self.status_sent = self.status
         self.status, self.outcome, self.reason = 499, "cancelled", "client_disconnected"
+        self.timeout_layer = None
+
+    def cut_by_shutdown(self) -> None:
+        """The shutdown grace ran out while the request was in flight: the proxy ended
+        it, not the client, so it is ``failed`` with reason ``shutting_down``; the
+        status stays the one the client was sent (503 if nothing was sent yet)."""
+        self.status = self.status_sent if self.status_sent >= 200 else 503
+        self.outcome, self.reason = "failed", "shutting_down"
         self.timeout_layer = None
 
     def end(self, now: float) -> None:

@@ -77,6 +77,8 @@ class Runtime:
     #: Set when the proxy was started from a file (``serve``): reload reads it.
     reloader: Any = None
     shutting_down: bool = False
+    #: The shutdown grace ran out: requests still in flight are being cut by the proxy.
+    grace_over: bool = False
     #: Requests inside the handler right now (graceful shutdown waits for them).
     active: set[object] = field(default_factory=set)
     _idle: asyncio.Event | None = None
