@@ -26,6 +26,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.keys import RUNTIME
+from proxy.listener import ProxyRunner
 from proxy.runtime import Runtime
 from proxy.settings import Config
 
@@ -68,7 +69,8 @@ def begin_shutdown(runtime: Runtime) -> None:
 async def serve(config: Config, host: str, port: int, config_path: str | None = None) -> int:
     app = build_app(config, config_path=config_path)
     runtime = app[RUNTIME]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # The listener answers parser errors itself and bounds connections (listener.py).
+    runner = ProxyRunner(app, config.server, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

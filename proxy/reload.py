@@ -11,8 +11,9 @@ caps, capacities, rate limits and budgets apply to new requests at once;
 queued and running requests keep the deadline and class they were admitted
 under and nothing queued is evicted; a removed tenant's queued tickets are
 still served; a new replica is probed and warmed before it takes traffic; a
-removed replica drains and then leaves; ``server.host``/``port`` changes are
-logged as needing a restart.
+removed replica drains and then leaves; ``server.host``/``port`` changes, and
+those of the listener's limits (``header_ms``, ``keepalive_ms``,
+``max_connections``), are logged as needing a restart.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ log = structlog.get_logger(__name__)
 
 #: How often the config file's content hash is compared.
 WATCH_INTERVAL_S = 2.0
+#: ``server`` keys read once by the listener at start-up (listener.py).
+LISTENER_KEYS = ("header_ms", "keepalive_ms", "max_connections")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,13 @@ def apply_config(runtime: Runtime, config: Config) -> None:
         log.warning("server.host/port changed: takes effect after a restart",
                     running=f"{old.server.host}:{old.server.port}",
                     configured=f"{config.server.host}:{config.server.port}")  # fmt: skip
+    listener = [
+        f"server.{key}"
+        for key in LISTENER_KEYS
+        if getattr(old.server, key) != getattr(config.server, key)
+    ]
+    if listener:
+        log.warning("listener limits changed: take effect after a restart", keys=listener)
     pool = runtime.pool
     wanted = {r.name for r in config.replicas}
     for replica_config in config.replicas:
