@@ -79,6 +79,17 @@ class HeaderTimeout(Exception):
     """The request head did not arrive within ``server.header_ms``."""
 
 
+class MalformedBody(BadRequest):
+    """The parser refused a request's body after its head was handed on.
+
+    Raised to whoever reads the body (the entrance answers it 400
+    ``bad_request``); it quotes nothing of the body.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("malformed HTTP request body")
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """The listener's limits, in seconds and connections."""
@@ -172,17 +183,38 @@ class Connection(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._header_timer is not None:
             self._head_started = self._head_started or bool(data)
-        elif data and self._waiter is not None and not self._waiter.done():
-            # The first byte of the next request on a kept-alive connection:
-            # it is no longer idle, and its head now has header_ms.
+            idle = False
+        else:  # between requests, a kept-alive connection waits for the next one
+            idle = bool(data) and self._waiter is not None and not self._waiter.done()
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:  # a whole head came in (or the parser's error)
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            self._fail_body_in_progress()
+        elif idle and not (self._close or self._force_close):
+            # Part of the next request's head, the rest still to come: the
+            # connection is no longer idle, and the head now has header_ms.
+            # (A whole head in one read, the usual case, needs no timer.)
             self._stop_keepalive_timer()
             self._start_header_timer()
             self._head_started = True
-        parsed = self._request_count
-        super().data_received(data)
-        if self._request_count != parsed and self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+
+    def _fail_body_in_progress(self) -> None:
+        """A parser error while a request's body is still being read is that body's error.
+
+        Without this, the C parser's error (a broken chunk) waits in the queue
+        behind the request whose body will now never end, and the body read
+        waits for ``entrance_ms``. (The pure-Python parser fails the body
+        itself, with aiohttp's own exception.)
+        """
+        current = self._current_request
+        if current is None or not self._messages or not isinstance(self._messages[-1][0], _ErrInfo):
+            return
+        body = current.content
+        if not body.is_eof() and body.exception() is None:
+            body.set_exception(MalformedBody())
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._header_timer is not None:
@@ -253,6 +285,8 @@ class Connection(RequestHandler):
     def log_exception(self, *args: Any, **kw: Any) -> None:
         """aiohttp's own error lines, without the exception's text (it may quote a header)."""
         exc = kw.get("exc_info")
+        if isinstance(exc, MalformedBody):  # the rest of a refused body, read after the answer
+            return
         log.error(
             "server error",
             detail=str(args[0]) if args else None,

@@ -317,6 +317,35 @@ async def start_listener(upstream_url: str) -> AsyncIterator[StartListener]:
         await runner.cleanup()
 
 
+async def test_a_broken_chunk_after_the_head_is_answered_400_at_once(
+    start_listener: StartListener, upstream_state: Upstream
+) -> None:
+    """A chunked body whose chunk-size line is garbage (with a key in it), sent after the
+    head was handed on: 400 bad_request "malformed HTTP request body", not a wait for
+    entrance_ms (408); nothing forwarded; the key in no answer and no log."""
+    proxy = await start_listener()
+    key = f"sk-chunk-{secrets.token_hex(12)}"
+    before = _client_requests(upstream_state)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        with capture_logs() as logs:
+            writer.write(
+                f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY_A}\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n".encode()
+            )
+            await wait_for(lambda: bool(proxy.runtime.active))  # the entrance reads the body
+            writer.write(f"ZZ{key}\r\n\r\n".encode())
+            got = await _read_response(reader)
+            await wait_for(lambda: not proxy.runtime.active)
+    finally:
+        writer.close()
+    assert got.status == 400 and got.headers["X-Admission-Reason"] == "bad_request"
+    assert got.json()["error"]["message"] == "malformed HTTP request body"
+    assert key.encode() not in got.raw
+    assert key not in repr(logs) and key not in proxy.access.getvalue()
+    assert _client_requests(upstream_state) == before
+
+
 async def test_a_connection_that_sends_nothing_is_closed_after_header_ms(
     start_listener: StartListener,
 ) -> None:
@@ -395,11 +424,17 @@ async def test_a_partial_request_line_is_answered_408_and_closed(
 async def test_an_idle_kept_alive_connection_is_closed_after_keepalive_ms(
     start_listener: StartListener,
 ) -> None:
-    """After a response, an idle connection lives keepalive_ms (2000), not header_ms (500)."""
+    """Two requests on one connection (the second's head in two reads) are served; then,
+    idle, the connection lives keepalive_ms (2000), not header_ms (500)."""
     proxy = await start_listener(header_ms=500, keepalive_ms=2000)
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
     try:
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: p\r\n\r\n")
+        assert (await _read_response(reader)).status == 200
+        writer.write(b"GET /healthz HTTP/1.1\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"Host: p\r\n\r\n")
         got = await _read_response(reader)
         idle_since = time.monotonic()
         assert got.status == 200 and got.headers.get("Connection") != "close"
@@ -407,6 +442,7 @@ async def test_an_idle_kept_alive_connection_is_closed_after_keepalive_ms(
     finally:
         writer.close()
     assert time.monotonic() - idle_since >= 2.0
+    assert proxy.requests_counted() == 0  # reserved paths; nothing answered by the listener
 
 
 async def test_the_next_request_on_a_kept_alive_connection_has_its_own_header_clock(
