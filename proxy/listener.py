@@ -11,7 +11,8 @@ the limits, all read once at start-up (a change needs a restart):
 - A request the parser refuses is answered 400 ``bad_request`` with the
   proxy's error body, a fresh ``X-Request-Id`` and ``Connection: close``.
   Nothing the client sent is echoed; the log line names only the error's
-  class; no traceback.
+  class; no traceback. A body the parser refuses once its head was handed on
+  fails the body read with ``MalformedBody`` (400 ``bad_request``).
 - ``server.header_ms``: a new connection must deliver a request line and all
   headers that soon after it opens; a kept-alive connection, that soon after
   the first byte of its next request. Nothing sent: the connection is closed
@@ -33,7 +34,8 @@ Why subclasses of aiohttp's ``RequestHandler`` (``Connection``) and ``Server``
 ``RequestHandler.handle_error``, which has no hook, and nothing in aiohttp
 bounds the time a request head takes. Every reach into aiohttp's internals
 is in ``Connection``; tests/test_probes_connections.py pins each behaviour
-against a live listener, with the C parser and the pure-Python one.
+against a live listener (the parser's refusals with both the C parser and the
+pure-Python one).
 """
 
 from __future__ import annotations

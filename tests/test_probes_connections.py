@@ -41,6 +41,7 @@ from proxy.lifecycle import bound_port
 from proxy.listener import Listener, ProxyRunner
 from proxy.reload import apply_config
 from proxy.runtime import Runtime
+from proxy.settings import ConfigError
 from tests.helpers import KEY_A, make_config, wait_for
 from tests.upstreams import Upstream
 
@@ -530,6 +531,20 @@ async def test_a_request_is_served_while_1000_idle_sockets_are_open(
     finally:
         for _, writer in held:
             writer.close()
+
+
+def test_listener_keys_default_to_documented_values() -> None:
+    server = make_config(["http://127.0.0.1:9"]).server
+    assert (server.header_ms, server.keepalive_ms, server.max_connections) == (5000, 15000, 4096)
+
+
+@pytest.mark.parametrize("key", ["header_ms", "keepalive_ms", "max_connections"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "many"])
+def test_listener_keys_must_be_positive_integers(key: str, value: object) -> None:
+    """Refused at load with the key's YAML path, like every other config mistake."""
+    with pytest.raises(ConfigError) as caught:
+        make_config(["http://127.0.0.1:9"], server={key: value})
+    assert [issue.path for issue in caught.value.issues] == [f"server.{key}"]
 
 
 def test_a_reload_that_changes_listener_limits_says_it_needs_a_restart() -> None:
