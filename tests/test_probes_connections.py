@@ -125,11 +125,12 @@ async def _exchange(port: int, raw: bytes) -> Answer:
         writer.close()
 
 
-def _chat_request(key: str, *, request_id: str | None = None) -> bytes:
+def _chat_request(key: str, *, request_id: str | None = None, version: str = "1.1") -> bytes:
+    """A chat completion; with ``version`` 1.0 the proxy closes the connection after it."""
     body = b'{"max_tokens": 2}'
     extra = f"X-Request-Id: {request_id}\r\n" if request_id else ""
     return (
-        f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {key}\r\n{extra}"
+        f"POST {CHAT} HTTP/{version}\r\nHost: p\r\nAuthorization: Bearer {key}\r\n{extra}"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
@@ -236,8 +237,8 @@ async def test_malformed_requests_get_the_proxys_answer_and_no_key_is_echoed_or_
         assert len(ids) == len(MALFORMED), "every answer has its own request id"
         assert _client_requests(upstream_state) == before, "a malformed request reached a replica"
 
-        good = await _exchange(port, _chat_request(good_key).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
-        unknown = await _exchange(port, _chat_request(unknown_key))
+        good = await _exchange(port, _chat_request(good_key, version="1.0"))
+        unknown = await _exchange(port, _chat_request(unknown_key, version="1.0"))
         answers += [good, unknown]
         assert good.status == 200
         assert unknown.status == 401
@@ -493,9 +494,7 @@ async def test_a_connection_beyond_max_connections_gets_503_until_one_is_freed(
 
         held.pop()[1].close()
         await wait_for(lambda: proxy.listener.open == 49)
-        served = await _exchange(
-            proxy.port, _chat_request(KEY_A).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
-        )
+        served = await _exchange(proxy.port, _chat_request(KEY_A, version="1.0"))
         assert served.status == 200
         assert _client_requests(upstream_state) == before + 1
     finally:
