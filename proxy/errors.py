@@ -21,7 +21,8 @@ translates aiohttp's client errors into them.
     │   ├── PredictedWaitExceedsBudget 503 predicted_wait_exceeds_budget
     │   ├── NoHealthyReplica           503 no_healthy_replica
     │   ├── ShuttingDown               503 shutting_down
-    │   └── RetryBudgetExhausted       503 retry_budget_exhausted
+    │   ├── RetryBudgetExhausted       503 retry_budget_exhausted
+    │   └── OverloadedConnections      503 overloaded_connections
     ├── TimedOut                       outcome "timed_out"
     │   ├── EntranceTimeout            408 entrance_timeout
     │   ├── QueueTimeout               503 queue_timeout
@@ -147,6 +148,13 @@ class ShuttingDown(Rejected):
 class RetryBudgetExhausted(Rejected):
     status = 503
     reason = "retry_budget_exhausted"
+
+
+class OverloadedConnections(Rejected):
+    """A connection opened while ``server.max_connections`` were open (listener.py)."""
+
+    status = 503
+    reason = "overloaded_connections"
 
 
 class TimedOut(ProxyError):

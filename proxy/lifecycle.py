@@ -27,6 +27,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.keys import RUNTIME
+from proxy.listener import ProxyRunner
 from proxy.runtime import Runtime
 from proxy.settings import Config
 
@@ -75,9 +76,11 @@ def begin_shutdown(runtime: Runtime) -> None:
 async def serve(config: Config, host: str, port: int, config_path: str | None = None) -> int:
     app = build_app(config, config_path=config_path)
     runtime = app[RUNTIME]
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=CLOSE_TIMEOUT_S
-    )
+    # The listener answers parser errors itself and bounds connections (listener.py).
+    runner = ProxyRunner(
+        app, config.server, handler_cancellation=True, access_log=None,
+        shutdown_timeout=CLOSE_TIMEOUT_S,
+    )  # fmt: skip
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

@@ -7,19 +7,20 @@ every error is logged with its YAML path and counted as
 ``admission_config_reloads_total{result="invalid"}``.
 
 What a valid reload changes (DESIGN section 12): every key but those of
-``RESTART_KEYS``. New tenants, keys, weights, caps, capacities, rate limits,
-budgets, timeouts (``connect_ms`` included), the body limit, the shutdown
-grace, the GPU sampling interval and the metric label cap apply to new
-requests at once, and a new tenant gets its own metric label if the cap has
-room; queued and running requests keep the deadline, class and budgets they
-were admitted under and nothing queued is evicted; a removed tenant's queued
-tickets are still served, under its old rules; a new replica is probed and
-warmed before it takes traffic; a removed replica drains and then leaves.
-A change to a ``RESTART_KEYS`` key is logged as needing a restart, and the
-running config keeps the value the listener was built with (so
-``/admin/config`` shows what is in effect). A replica whose TLS files changed
-(path or content) gets a new context; a rotated certificate needs a reload to
-be read.
+``RESTART_KEYS`` (``server.host``, ``server.port`` and the listener's limits
+``header_ms``, ``keepalive_ms``, ``max_connections``). New tenants, keys,
+weights, caps, capacities, rate limits, budgets, timeouts (``connect_ms``
+included), the body limit, the shutdown grace, the GPU sampling interval and
+the metric label cap apply to new requests at once, and a new tenant gets its
+own metric label if the cap has room; queued and running requests keep the
+deadline, class and budgets they were admitted under and nothing queued is
+evicted; a removed tenant's queued tickets are still served, under its old
+rules; a new replica is probed and warmed before it takes traffic; a removed
+replica drains and then leaves. A change to a ``RESTART_KEYS`` key is logged
+as needing a restart, and the running config keeps the value the listener was
+built with (so ``/admin/config`` shows what is in effect). A replica whose TLS
+files changed (path or content) gets a new context; a rotated certificate
+needs a reload to be read.
 """
 
 from __future__ import annotations
@@ -43,9 +44,16 @@ log = structlog.get_logger(__name__)
 
 #: How often the config file's content hash is compared.
 WATCH_INTERVAL_S = 2.0
-#: ``(section, key)`` pairs the listening server was built with: a reload
-#: leaves them as they are and logs that they take effect after a restart.
-RESTART_KEYS: tuple[tuple[str, str], ...] = (("server", "host"), ("server", "port"))
+#: ``(section, key)`` pairs the listening server was built with (the address and
+#: listener.py's limits): a reload leaves them as they are and logs that they take
+#: effect after a restart.
+RESTART_KEYS: tuple[tuple[str, str], ...] = (
+    ("server", "host"),
+    ("server", "port"),
+    ("server", "header_ms"),
+    ("server", "keepalive_ms"),
+    ("server", "max_connections"),
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,6 +101,9 @@ DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 1_048_576
 DEFAULT_ENTRANCE_MS = 5_000
 DEFAULT_SHUTDOWN_GRACE_MS = 25_000
+DEFAULT_HEADER_MS = 5_000
+DEFAULT_KEEPALIVE_MS = 15_000
+DEFAULT_MAX_CONNECTIONS = 4_096
 DEFAULT_ADMIN_TOKEN_ENV = "ADMISSION_ADMIN_TOKEN"
 DEFAULT_HEALTH_PATH = "/health"
 DEFAULT_HEALTH_INTERVAL_MS = 2_000
@@ -226,6 +229,10 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
     entrance_ms: int = Field(default=DEFAULT_ENTRANCE_MS, gt=0)
     shutdown_grace_ms: int = Field(default=DEFAULT_SHUTDOWN_GRACE_MS, ge=0)
+    #: The listener's limits (listener.py); read at start-up, a change needs a restart.
+    header_ms: int = Field(default=DEFAULT_HEADER_MS, gt=0)
+    keepalive_ms: int = Field(default=DEFAULT_KEEPALIVE_MS, gt=0)
+    max_connections: int = Field(default=DEFAULT_MAX_CONNECTIONS, gt=0)
 
 
 class AdminConfig(_Section):
