@@ -28,6 +28,8 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted
@@ -275,15 +277,15 @@ async def _read_body(request: web.Request, max_body: int, until: float, runtime:
     if not request.body_exists:
         return b""
     content = request.content
-    if content.is_eof():  # small bodies arrive with the headers: no timer needed
-        body = content.read_nowait()
-        if len(body) > max_body:
-            raise BodyTooLarge(f"body exceeds {max_body} bytes")
-        return body
     budget_s = until - runtime.clock.now()
     chunks: list[bytes] = []
     size = 0
     try:
+        if content.is_eof():  # small bodies arrive with the headers: no timer needed
+            body = content.read_nowait()
+            if len(body) > max_body:
+                raise BodyTooLarge(f"body exceeds {max_body} bytes")
+            return body
         async with asyncio.timeout(max(0.0, budget_s)):
             while chunk := await content.readany():
                 size += len(chunk)
@@ -292,6 +294,10 @@ async def _read_body(request: web.Request, max_body: int, until: float, runtime:
                 chunks.append(chunk)
     except TimeoutError as exc:
         raise EntranceTimeout(f"request body not received within {budget_s * 1000:.0f} ms") from exc
+    except (HttpProcessingError, RequestPayloadError):
+        # The parser's message quotes what the client sent (a chunk line may hold
+        # a key): say nothing of it, and keep it out of the logs (``from None``).
+        raise BadRequest("malformed HTTP request body") from None
     return b"".join(chunks)
 
 

@@ -114,6 +114,24 @@ async def _read_response(reader: asyncio.StreamReader) -> Answer:
     return Answer(answer.status, answer.headers, body, head + body)
 
 
+async def _broken_chunk_after_the_head(port: int, key: str, secret: str) -> Answer:
+    """A chunked POST whose head waits for "100 Continue", then a chunk-size line of
+    garbage holding ``secret``; the final answer, read to the connection's end."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {key}\r\n"
+            "Expect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        async with asyncio.timeout(EXCHANGE_S):
+            interim = await reader.readuntil(b"\r\n\r\n")
+        assert interim.startswith(b"HTTP/1.1 100"), interim
+        writer.write(f"ZZ{secret}\r\n\r\n".encode())
+        return _parse(await _read_to_eof(reader))
+    finally:
+        writer.close()
+
+
 async def _exchange(port: int, raw: bytes) -> Answer:
     """Send ``raw`` on a new connection; the answer, read to the connection's end."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -235,6 +253,15 @@ async def test_malformed_requests_get_the_proxys_answer_and_no_key_is_echoed_or_
             assert answer.json() == BAD_REQUEST_BODY, name
             ids[answer.headers["X-Request-Id"]] = name
         assert len(ids) == len(MALFORMED), "every answer has its own request id"
+        # A broken chunk after a good head: the head is handed on first (the proxy sends
+        # "100 Continue"), so the entrance, not the listener, reads the broken chunk.
+        key = f"sk-chunk-{secrets.token_hex(12)}"
+        keys.append(key)
+        chunk = await _broken_chunk_after_the_head(port, good_key, key)
+        answers.append(chunk)
+        assert chunk.status == 400 and chunk.headers["X-Admission-Reason"] == "bad_request"
+        assert chunk.json()["error"]["code"] == "bad_request"
+        chunk_id = chunk.headers["X-Request-Id"]
         assert _client_requests(upstream_state) == before, "a malformed request reached a replica"
 
         good = await _exchange(port, _chat_request(good_key, version="1.0"))
@@ -246,7 +273,7 @@ async def test_malformed_requests_get_the_proxys_answer_and_no_key_is_echoed_or_
         assert _client_requests(upstream_state) == before + 1
         async with aiohttp.ClientSession() as session:
             metrics = await (await session.get(proxy.url + "/metrics")).text()
-        assert _requests_total(metrics, "bad_request") == len(MALFORMED)
+        assert _requests_total(metrics, "bad_request") == len(MALFORMED) + 1
     finally:
         await proxy.stop()
     assert proxy.process.returncode == 0
@@ -261,11 +288,11 @@ async def test_malformed_requests_get_the_proxys_answer_and_no_key_is_echoed_or_
     assert "Traceback" not in stderr and "Traceback" not in stdout
     events = [json.loads(line) for line in stdout.splitlines()]
     refused = [e for e in events if e["event"] == "request" and e["reason"] == "bad_request"]
-    assert {e["request_id"] for e in refused} == set(ids)
-    assert all((e["tenant"], e["status"], e["outcome"]) == ("unknown", 400, "rejected")
-               for e in refused)  # fmt: skip
+    assert {e["request_id"] for e in refused} == {*ids, chunk_id}
+    assert all((e["status"], e["outcome"]) == (400, "rejected") for e in refused)
+    assert all(e["tenant"] == "unknown" for e in refused if e["request_id"] != chunk_id)
     logged = [e for e in events if e["event"] == "answered by the listener"]
-    assert {e["request_id"] for e in logged} == set(ids) and len(logged) == len(MALFORMED)
+    assert {e["request_id"] for e in logged} - {chunk_id} == set(ids)
     assert all(re.fullmatch(r"[A-Za-z]+", e["error"]) for e in logged), logged
     # The two parsers name the same mistake differently: the one asked for ran.
     lf_only = next(e["error"] for e in logged if ids[e["request_id"]] == "LF-only line endings")
