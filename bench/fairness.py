@@ -79,7 +79,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import finite, machine, own_cpu
+from bench.common import cpu_line, finite, machine, own_cpu
 from bench.fairness_accesslog import Wait, waits
 from bench.fairness_accesslog import read as read_access_log
 from bench.fairness_report import (
@@ -880,6 +880,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generator, the proxy and the replicas",
         flush=True,
     )
+    print(cpu_line(), flush=True)
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     source = _source()  # before the run: the code that runs, even if a commit lands meanwhile

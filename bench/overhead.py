@@ -50,7 +50,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import SCRUBBED_ENV, machine, own_cpu, revision, scrubbed_env
+from bench.common import SCRUBBED_ENV, cpu_line, machine, own_cpu, revision, scrubbed_env
 from bench.load import Requester, closed_loop, open_loop
 from bench.processes import (
     Server,
@@ -555,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load generator and the servers"
     )
     print(_tracing_note(), flush=True)
+    print(cpu_line(), flush=True)
     started = time.monotonic()
     exported: dict[str, int] = {}
     try:
