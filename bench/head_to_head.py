@@ -197,7 +197,7 @@ def start_replicas(setup: Setup, running: Fleet, workdir: Path) -> None:
             argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port),
                     "--slots", str(setup.slots), "--seed", str(index), *SIM_ARGS]  # fmt: skip
         else:
-            # One thread each: two engines on two cores (DESIGN, engines on two cores).
+            # One thread each: two engines on two cores.
             argv = [str(engine.server), "-m", str(engine.model), "--host", "127.0.0.1",
                     "--port", str(port), "--parallel", str(setup.slots),
                     "-c", str(4096 * setup.slots), "-t", "1", "--metrics", "--no-webui",

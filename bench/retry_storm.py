@@ -1,4 +1,4 @@
-"""Retry-storm benchmark (issue 4, DESIGN section 12): budgeted retries against naive ones.
+"""Retry-storm benchmark (issue 4): budgeted retries against naive ones.
 
 End to end on the simulator: two simulated replicas (``admission-proxy sim``
 child processes) with ``SLOTS`` seats each, one of which answers half its

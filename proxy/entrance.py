@@ -6,7 +6,7 @@ where a ``ProxyError`` becomes an HTTP response. It writes the request's end
 into its record exactly once, whatever happened (``finally``), which is what
 makes "every request ends exactly once with one outcome" hold.
 
-Order of checks (DESIGN section 12): 401, 400 (headers), 403, 413 on
+Order of checks (docs/REFERENCE.md): 401, 400 (headers), 403, 413 on
 Content-Length, rate limit, body read (408, 413, 400), then admission.
 """
 
@@ -244,7 +244,7 @@ def _parse_json(body: bytes) -> Any:
 
 
 def estimate_cost(body: bytes, doc: Any) -> float:
-    """Prompt tokens (bytes / 4) plus the output limit, capped (DESIGN section 12)."""
+    """Prompt tokens (bytes / 4) plus the output limit, capped (docs/REFERENCE.md)."""
     output: Any = None
     if isinstance(doc, dict):
         output = doc.get("max_tokens") or doc.get("max_completion_tokens")

@@ -6,7 +6,7 @@ watches miss), and ``POST /admin/reload``. An invalid file changes nothing:
 every error is logged with its YAML path and counted as
 ``admission_config_reloads_total{result="invalid"}``.
 
-What a valid reload changes (DESIGN section 12): new tenants, keys, weights,
+What a valid reload changes (docs/REFERENCE.md): new tenants, keys, weights,
 caps, capacities, rate limits and budgets apply to new requests at once;
 queued and running requests keep the deadline and class they were admitted
 under and nothing queued is evicted; a removed tenant's queued tickets are
