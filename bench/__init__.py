@@ -1,4 +1,4 @@
-"""Benchmarks (DESIGN section 12): each reports ratios against a baseline measured in the same run.
+"""Benchmarks (docs/BENCHMARKS.md): each reports ratios against a baseline measured in the same run.
 
 Each module is runnable (``python -m bench.<name>``), writes its JSON to
 ``bench/results/`` (git-ignored), and the figures worth keeping go to

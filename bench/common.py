@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import math
 import os
 import platform
 import subprocess
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -29,9 +33,59 @@ def own_cpu() -> float:
     return times.user + times.system
 
 
+#: CPU flags that change how fast an inference engine or the proxy runs: the
+#: vector and matrix extensions llama.cpp's kernels choose between.
+NOTABLE_CPU_FLAGS = (
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "sse4_2", "neon", "asimd",
+)  # fmt: skip
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpuinfo_field(names: tuple[str, ...], cpuinfo: Path) -> str | None:
+    """The first ``name : value`` line of ``/proc/cpuinfo`` among ``names``."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in names:
+            return value.strip()
+    return None
+
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's model name, so figures from different machines are told apart."""
+    return _cpuinfo_field(("model name", "Model", "cpu model"), cpuinfo) or (
+        platform.processor() or platform.machine() or "unknown"
+    )
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> dict[str, Any]:
+    """The notable CPU flags present, and a short hash of the whole flag list
+    (two machines with the same hash run the same kernels)."""
+    flags = (_cpuinfo_field(("flags", "Features"), cpuinfo) or "").split()
+    return {
+        "notable": [f for f in NOTABLE_CPU_FLAGS if f in flags],
+        "all_sha256_12": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+        if flags
+        else None,
+    }
+
+
+def cpu_line() -> str:
+    """One line for a report's header: model, notable flags and CPU count."""
+    flags = cpu_flags()
+    notable = " ".join(flags["notable"]) or "none of the notable flags"
+    return f"CPU: {cpu_model()} ({os.cpu_count()} CPUs; {notable}; flags {flags['all_sha256_12']})"
+
+
 def machine(note: str) -> dict[str, Any]:
     """The machine and library versions a result was measured with."""
     return {
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -72,3 +126,55 @@ def finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [finite(v) for v in value]
     return value
+
+
+T = TypeVar("T")
+#: Longest wait for one reading (an engine's counters, a front's metrics) before
+#: it counts as missing: a busy llama-server may not answer its /metrics at all.
+READING_TIMEOUT_S = 5.0
+#: What a failed reading raises: connection errors and timeouts, a non-2xx page
+#: (``raise_for_status``), a page that does not parse (JSON or Prometheus text).
+READING_ERRORS = (aiohttp.ClientError, TimeoutError, ValueError, KeyError)
+
+
+@dataclass(frozen=True, slots=True)
+class MissingReading:
+    """A reading that could not be taken, and why."""
+
+    what: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.what}: n/a (missing: {self.reason})"
+
+
+class Readings:
+    """Takes a run's readings so that one that fails is recorded as missing (None)
+    and the run goes on: losing a whole benchmark to one unanswered /metrics
+    page costs more than a figure marked n/a.
+
+    Usage: ``stats = await readings.take("engine counters", lambda: read(url))``;
+    ``stats is None`` when it failed, and ``readings.missing`` says why.
+    """
+
+    __slots__ = ("missing", "timeout_s")
+
+    def __init__(self, timeout_s: float = READING_TIMEOUT_S) -> None:
+        self.missing: list[MissingReading] = []
+        self.timeout_s = timeout_s
+
+    async def take(self, what: str, read: Callable[[], Awaitable[T]]) -> T | None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await read()
+        except READING_ERRORS as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            reason = type(exc).__name__ + (f": {detail}" if detail else "")
+            self.miss(what, reason)
+            return None
+
+    def miss(self, what: str, reason: str) -> None:
+        self.missing.append(MissingReading(what, reason))
+
+    def __repr__(self) -> str:
+        return f"<Readings {len(self.missing)} missing>"

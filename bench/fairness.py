@@ -1,4 +1,4 @@
-"""Fairness benchmark (issue 3, DESIGN section 12): noisy neighbour and priority isolation.
+"""Fairness benchmark (issue 3): noisy neighbour and priority isolation.
 
 End to end on the simulator: two simulated replicas (``admission-proxy sim``)
 with the same seats in every scenario, this proxy (``admission-proxy serve``,
@@ -36,7 +36,7 @@ contrasted with the plain ones. What the headroom costs is reported as the
 total served req/s and tokens/s of the flood scenarios, against the plain
 configuration.
 
-Targets (DESIGN section 12), judged for each configuration: the victim's p99
+Targets, judged for each configuration: the victim's p99
 TTFT next to the aggressor over its p99 next to the well-behaved neighbour at
 most 1.2 (the issue's "against the victim alone" is reported beside it), the
 victim's SLO attainment at least 99%; likewise interactive with and without
@@ -79,7 +79,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import finite, machine, own_cpu
+from bench.common import cpu_line, finite, machine, own_cpu
 from bench.fairness_accesslog import Wait, waits
 from bench.fairness_accesslog import read as read_access_log
 from bench.fairness_report import (
@@ -880,6 +880,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generator, the proxy and the replicas",
         flush=True,
     )
+    print(cpu_line(), flush=True)
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     source = _source()  # before the run: the code that runs, even if a commit lands meanwhile

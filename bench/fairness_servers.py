@@ -26,12 +26,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import aiohttp
 
-from bench.common import scrubbed_env
+from bench.common import Readings, scrubbed_env
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 20.0
@@ -196,18 +198,34 @@ async def wait_ready(session: aiohttp.ClientSession, child: Child, path: str) ->
         await asyncio.sleep(POLL_S)
 
 
+async def _sim_stats(session: aiohttp.ClientSession, sim: Child) -> dict[str, Any]:
+    async with session.get(sim.url + "/sim/stats") as response:
+        response.raise_for_status()
+        stats: dict[str, Any] = await response.json()
+        return stats
+
+
 async def wait_sims_idle(session: aiohttp.ClientSession, sims: list[Child]) -> None:
-    """Until every engine has nothing running or waiting (the last run's aborts landed)."""
+    """Until every engine has nothing running or waiting (the last run's aborts landed).
+
+    An engine that does not answer is asked again until ``IDLE_TIMEOUT_S``; if
+    no reading came back by then the run goes on, saying so (a missing reading
+    must not lose the whole benchmark)."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         busy = 0
+        readings = Readings()
         for sim in sims:
             sim.check_alive()
-            async with session.get(sim.url + "/sim/stats") as response:
-                stats = await response.json()
-            busy += int(stats.get("running", 0)) + int(stats.get("waiting", 0))
-        if not busy:
+            stats = await readings.take(f"{sim.name} idle", partial(_sim_stats, session, sim))
+            if stats is not None:
+                busy += int(stats.get("running", 0)) + int(stats.get("waiting", 0))
+        if not busy and not readings.missing:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"replicas still busy ({busy}) after {IDLE_TIMEOUT_S:.0f} s")
+            if busy:
+                raise RuntimeError(f"replicas still busy ({busy}) after {IDLE_TIMEOUT_S:.0f} s")
+            for missing in readings.missing:
+                print(f"  {missing}; going on", flush=True)
+            return
         await asyncio.sleep(POLL_S * 2)

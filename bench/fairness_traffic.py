@@ -11,7 +11,7 @@ comes from a second generator, so routing never shifts the arrivals.
 Each request is streamed, and its TTFT is measured here, at the client: from
 just before the request is sent to the first SSE ``data:`` event whose
 ``choices[0].delta.content`` is not empty (the role-only opening delta does
-not count), as DESIGN section 7 defines it for the proxy. The proxy's own
+not count), as docs/REFERENCE.md defines it for the proxy. The proxy's own
 queue wait is read from its ``Server-Timing`` header. Every request ends as
 one ``Result``; nothing is retried.
 

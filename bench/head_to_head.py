@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +54,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import head_to_head_haproxy as haproxy
-from bench.common import machine, own_cpu, revision, scrubbed_env
+from bench.common import Readings, cpu_line, machine, own_cpu, revision, scrubbed_env
 from bench.head_to_head_report import (
     Phase,
     Slo,
     detail_table,
     engine_delta,
     main_table,
+    missing_report,
     set_ratios,
     summarize,
     verdict_table,
@@ -195,7 +197,7 @@ def start_replicas(setup: Setup, running: Fleet, workdir: Path) -> None:
             argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port),
                     "--slots", str(setup.slots), "--seed", str(index), *SIM_ARGS]  # fmt: skip
         else:
-            # One thread each: two engines on two cores (DESIGN, engines on two cores).
+            # One thread each: two engines on two cores.
             argv = [str(engine.server), "-m", str(engine.model), "--host", "127.0.0.1",
                     "--port", str(port), "--parallel", str(setup.slots),
                     "-c", str(4096 * setup.slots), "-t", "1", "--metrics", "--no-webui",
@@ -258,37 +260,63 @@ LLAMA_STATS = {
 }
 
 
-async def sim_stats(session: aiohttp.ClientSession, sims: Sequence[Server]) -> list[dict[str, Any]]:
-    """Each engine's counters: ``/sim/stats``, or llama.cpp's ``/metrics`` renamed."""
+async def _engine_stats(session: aiohttp.ClientSession, sim: Server) -> dict[str, Any]:
+    """One engine's counters: ``/sim/stats``, or llama.cpp's ``/metrics`` renamed."""
+    if sim.name.startswith("llama"):
+        # The load's session: a stream may have left a dead connection in its pool.
+        response = await request_resending_stale(session, "GET", sim.url + "/metrics")
+        async with response:
+            response.raise_for_status()
+            text = await response.text()
+        return {
+            LLAMA_STATS[sample.name]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name in LLAMA_STATS
+        }
+    async with session.get(sim.url + "/sim/stats") as response:
+        response.raise_for_status()
+        stats: dict[str, Any] = await response.json()
+        return stats
+
+
+async def sim_stats(
+    session: aiohttp.ClientSession, sims: Sequence[Server], readings: Readings, what: str
+) -> list[dict[str, Any]] | None:
+    """Every engine's counters, or None (recorded in ``readings``) when one could
+    not be read: a delta needs all of them."""
     stats = []
     for sim in sims:
-        if sim.name.startswith("llama"):
-            # The load's session: a stream may have left a dead connection in its pool.
-            response = await request_resending_stale(session, "GET", sim.url + "/metrics")
-            async with response:
-                text = await response.text()
-            values = {
-                LLAMA_STATS[sample.name]: sample.value
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples
-                if sample.name in LLAMA_STATS
-            }
-            stats.append(values)
-            continue
-        async with session.get(sim.url + "/sim/stats") as response:
-            stats.append(await response.json())
+        one = await readings.take(f"{what} ({sim.name})", partial(_engine_stats, session, sim))
+        if one is None:
+            return None
+        stats.append(one)
     return stats
 
 
-async def wait_sims_idle(session: aiohttp.ClientSession, sims: Sequence[Server]) -> None:
-    """Until no engine runs or queues anything: the last phase's aborts have landed."""
+def _busy(stats: Sequence[dict[str, Any]]) -> float:
+    return sum(float(s.get("running", 0.0)) + float(s.get("waiting", 0.0)) for s in stats)
+
+
+async def wait_sims_idle(
+    session: aiohttp.ClientSession, sims: Sequence[Server], readings: Readings
+) -> None:
+    """Until no engine runs or queues anything: the last phase's aborts have landed.
+
+    An engine too busy to answer is asked again until ``IDLE_TIMEOUT_S``; if no
+    reading came back by then, that is recorded as missing and the run goes on."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
-        busy = sum(s["running"] + s["waiting"] for s in await sim_stats(session, sims))
-        if not busy:
+        attempt = Readings(readings.timeout_s)
+        stats = await sim_stats(session, sims, attempt, "engines idle")
+        if stats is not None and not _busy(stats):
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"replicas still busy ({busy}) after {IDLE_TIMEOUT_S:.0f} s")
+            if stats is not None:
+                busy = _busy(stats)
+                raise RuntimeError(f"replicas still busy ({busy}) after {IDLE_TIMEOUT_S:.0f} s")
+            readings.missing.extend(attempt.missing)
+            return
         await asyncio.sleep(0.1)
 
 
@@ -301,7 +329,7 @@ async def measure_capacity(setup: Setup, running: Fleet, seconds: float) -> tupl
             session, [s.url for s in running.sims], setup.headers, setup.slots * REPLICAS,
             CAPACITY_WARMUP_S, seconds, setup.shape, deadline_s=30.0,
         )  # fmt: skip
-        await wait_sims_idle(session, running.sims)
+        await wait_sims_idle(session, running.sims, Readings())
     return completed / seconds, failed
 
 
@@ -310,27 +338,38 @@ BUSY_SAMPLE_S = 0.05
 
 
 async def window_stats(
-    session: aiohttp.ClientSession, sims: Sequence[Server], warmup_s: float, seconds: float
-) -> tuple[dict[str, int], float]:
-    """The engines' counters over the measured window alone, and the mean number
-    of sequences running in them (sampled): a direct measure of busy slots."""
+    session: aiohttp.ClientSession,
+    sims: Sequence[Server],
+    warmup_s: float,
+    seconds: float,
+    readings: Readings,
+) -> tuple[dict[str, int] | None, float]:
+    """The engines' counters over the measured window alone (None when either end
+    is missing), and the mean number of sequences running in them (sampled): a
+    direct measure of busy slots. Samples that fail are left out and counted."""
     await asyncio.sleep(warmup_s)
-    start = await sim_stats(session, sims)
+    start = await sim_stats(session, sims, readings, "engine counters at the window's start")
     end_at = time.monotonic() + seconds
     samples: list[float] = []
+    dropped = Readings(readings.timeout_s)
     while time.monotonic() < end_at:
-        stats = await sim_stats(session, sims)
-        samples.append(sum(float(s.get("running", 0.0)) for s in stats))
+        stats = await sim_stats(session, sims, dropped, "running sample")
+        if stats is not None:
+            samples.append(sum(float(s.get("running", 0.0)) for s in stats))
         await asyncio.sleep(min(BUSY_SAMPLE_S, max(0.0, end_at - time.monotonic())))
+    if dropped.missing:
+        readings.miss(
+            f"{len(dropped.missing)} of {len(dropped.missing) + len(samples)} running samples",
+            dropped.missing[-1].reason,
+        )
     busy = sum(samples) / len(samples) if samples else math.nan
-    return engine_delta(start, await sim_stats(session, sims)), busy
+    end = await sim_stats(session, sims, readings, "engine counters at the window's end")
+    return (None if start is None or end is None else engine_delta(start, end)), busy
 
 
-async def front_outcomes(session: aiohttp.ClientSession, front: Server | None) -> dict[str, int]:
-    """This proxy's own count of requests by outcome (``admission_requests_total``)."""
-    if front is None or front.name != "proxy":
-        return {}
+async def _front_counts(session: aiohttp.ClientSession, front: Server) -> dict[str, int]:
     async with session.get(front.url + "/metrics") as response:
+        response.raise_for_status()
         text = await response.text()
     counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
@@ -341,6 +380,16 @@ async def front_outcomes(session: aiohttp.ClientSession, front: Server | None) -
                 outcome = sample.labels.get("outcome", "?")
                 counts[outcome] = counts.get(outcome, 0) + int(sample.value)
     return counts
+
+
+async def front_outcomes(
+    session: aiohttp.ClientSession, front: Server | None, readings: Readings, what: str
+) -> dict[str, int] | None:
+    """This proxy's own count of requests by outcome (``admission_requests_total``);
+    ``{}`` for other fronts, None when the page could not be read."""
+    if front is None or front.name != "proxy":
+        return {}
+    return await readings.take(what, partial(_front_counts, session, front))
 
 
 def _machine_cpu() -> float:
@@ -363,13 +412,16 @@ async def run_phase(
     arrivals = poisson_arrivals(rate, warmup_s, seconds, setup.shape, seed=f"load:{load:g}")
     slo = setup.slo
     front = running.fronts.get(target)
+    readings = Readings()
     async with make_session(CONNECT_MS / 1000.0) as session:
-        before = await sim_stats(session, running.sims)
-        outcomes_before = await front_outcomes(session, front)
+        before = await sim_stats(session, running.sims, readings, "engine counters before")
+        outcomes_before = await front_outcomes(session, front, readings, "proxy outcomes before")
         cpu = (own_cpu(), sum(s.cpu() for s in running.sims), front.cpu() if front else 0.0,
                _machine_cpu())  # fmt: skip
         overflows = listen_overflows()
-        window = asyncio.create_task(window_stats(session, running.sims, warmup_s, seconds))
+        window = asyncio.create_task(
+            window_stats(session, running.sims, warmup_s, seconds, readings)
+        )
         try:
             outcomes = await open_loop(
                 session, urls, setup.headers, arrivals, slo.total_ms / 1000.0
@@ -377,13 +429,15 @@ async def run_phase(
             in_window, busy = await window
         finally:
             window.cancel()
-        await wait_sims_idle(session, running.sims)
-        after = await sim_stats(session, running.sims)
-        outcomes_after = await front_outcomes(session, front)
-    phase = summarize(
-        target, load, rate, seconds, outcomes, slo, engine_delta(before, after), in_window
-    )
+        await wait_sims_idle(session, running.sims, readings)
+        after = await sim_stats(session, running.sims, readings, "engine counters after")
+        outcomes_after = await front_outcomes(session, front, readings, "proxy outcomes after")
+    engine = None if before is None or after is None else engine_delta(before, after)
+    phase = summarize(target, load, rate, seconds, outcomes, slo, engine, in_window)
     phase.mean_running = busy
+    phase.missing = [str(m) for m in readings.missing]
+    for missing in readings.missing:
+        print(f"  {target} {load:g}x: {missing}", flush=True)
     phase.cpu_s = {
         "loadgen": own_cpu() - cpu[0],
         "sims": sum(s.cpu() for s in running.sims) - cpu[1],
@@ -394,9 +448,12 @@ async def run_phase(
     # fronts' health probes, other programs): a large figure means a noisy run.
     phase.cpu_s["others"] = _machine_cpu() - cpu[3] - sum(phase.cpu_s.values())
     phase.listen_overflows = listen_overflows() - overflows
-    phase.front_outcomes = {
-        name: count - outcomes_before.get(name, 0) for name, count in outcomes_after.items()
-    }
+    if outcomes_before is None or outcomes_after is None:
+        phase.front_outcomes = None
+    else:
+        phase.front_outcomes = {
+            name: count - outcomes_before.get(name, 0) for name, count in outcomes_after.items()
+        }
     for server in running.all():
         if server.process.poll() is not None:
             raise RuntimeError(f"{server.name} exited:\n{server.stderr_tail()}")
@@ -500,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.seconds:g} s each (+{args.warmup:g} s warm-up); SLO TTFT "
           f"{setup.slo.ttft_ms:.0f} ms, total {setup.slo.total_ms:.0f} ms; queue budget "
           f"{setup.queue_ms} ms; {os.cpu_count()} CPUs shared", flush=True)  # fmt: skip
+    print(cpu_line(), flush=True)
     record: dict[str, Any] = {}
     started = time.monotonic()
     try:
@@ -518,6 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(detail_table(phases))
     print()
     print(verdict_table(items))
+    print()
+    print(missing_report(phases))
     result = {
         "benchmark": "head_to_head",
         "command": command,
@@ -534,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "revision": revision(),
         "machine": machine("load generator, fronts and replicas share the same CPUs"),
         "wall_s": round(time.monotonic() - started, 1),
+        "readings_missing": sum(len(p.missing) for p in phases),
         "phases": [asdict(p) for p in phases],
         "verdicts": [{**asdict(v), "mark": v.mark} for v in items],
     }  # fmt: skip

@@ -21,6 +21,10 @@ Owns the definitions the report states:
   the tokens of the on-time completions: also counts the partial output of
   requests whose client left mid-stream, which the engine then aborted.
 
+A reading that could not be taken (an engine too busy to answer its
+``/metrics``) leaves the figures built on it ``None``, printed
+``n/a``; each phase lists its missing readings and the report counts them.
+
 No I/O here: the caller measures, this module counts and prints.
 """
 
@@ -88,21 +92,25 @@ class Phase:
     ttft_p99_ms: float
     total_p50_ms: float
     total_p99_ms: float
+    #: ``{}`` when the engines' counters before or after the phase are missing.
     engine: dict[str, int]
-    mean_batch: float
-    #: None where the engine does not count completions (llama.cpp).
+    mean_batch: float | None
+    #: None where the engine does not count completions (llama.cpp), or a reading is missing.
     engine_rps: float | None
     wasted_completions: int | None
-    wasted_tokens: int
-    wasted_token_share: float
+    wasted_tokens: int | None
+    wasted_token_share: float | None
     late_send_p99_ms: float
     #: Sequences running in the engines, summed over replicas, sampled every
     #: 50 ms in the measured window (the fronts' seat use, as the engines see it).
     mean_running: float = float("nan")
     cpu_s: dict[str, float] = field(default_factory=dict)
     listen_overflows: int = 0
-    #: This proxy's own count of the phase's requests by outcome (its metrics).
-    front_outcomes: dict[str, int] = field(default_factory=dict)
+    #: This proxy's own count of the phase's requests by outcome (its metrics);
+    #: None when its /metrics could not be read.
+    front_outcomes: dict[str, int] | None = field(default_factory=dict)
+    #: Readings that could not be taken, each "what: n/a (missing: reason)".
+    missing: list[str] = field(default_factory=list)
     #: Goodput over this target's own goodput at 1x (set once 1x is known).
     goodput_ratio: float | None = None
 
@@ -114,8 +122,8 @@ def summarize(
     seconds: float,
     outcomes: Sequence[Outcome],
     slo: Slo,
-    engine: dict[str, int],
-    window: dict[str, int],
+    engine: dict[str, int] | None,
+    window: dict[str, int] | None,
 ) -> Phase:
     measured = [o for o in outcomes if o.measured]
     on_time = [o for o in measured if o.on_time]
@@ -130,8 +138,9 @@ def summarize(
     totals = sorted(o.total_s for o in on_time if o.total_s is not None)
     all_on_time = [o for o in outcomes if o.on_time]
     delivered_tokens = sum(o.tokens for o in all_on_time)
-    generated = engine["tokens_generated"]
-    wasted_tokens = generated - delivered_tokens
+    generated = engine["tokens_generated"] if engine is not None else None
+    wasted_tokens = generated - delivered_tokens if generated is not None else None
+    engine_rps = window["completed"] / seconds if window and "completed" in window else None
     return Phase(
         target=target,
         load=load,
@@ -151,16 +160,24 @@ def summarize(
         ttft_p99_ms=percentile(ttfts, 0.99) * 1000.0,
         total_p50_ms=percentile(totals, 0.50) * 1000.0,
         total_p99_ms=percentile(totals, 0.99) * 1000.0,
-        engine=engine,
-        mean_batch=window["tokens_generated"] / window["steps"] if window["steps"] else 0.0,
-        engine_rps=window["completed"] / seconds if "completed" in window else None,
+        engine=engine or {},
+        mean_batch=_mean_batch(window),
+        engine_rps=engine_rps,
         wasted_completions=(
-            engine["completed"] - len(all_on_time) if "completed" in engine else None
+            engine["completed"] - len(all_on_time) if engine and "completed" in engine else None
         ),
         wasted_tokens=wasted_tokens,
-        wasted_token_share=wasted_tokens / generated if generated else 0.0,
+        wasted_token_share=(
+            None if wasted_tokens is None else wasted_tokens / generated if generated else 0.0
+        ),
         late_send_p99_ms=percentile(sorted(o.late_ms for o in outcomes), 0.99),
     )
+
+
+def _mean_batch(window: dict[str, int] | None) -> float | None:
+    if window is None:
+        return None
+    return window["tokens_generated"] / window["steps"] if window["steps"] else 0.0
 
 
 def _meets(outcome: Outcome, slo: Slo) -> bool:
@@ -208,13 +225,23 @@ def main_table(phases: Sequence[Phase]) -> str:
             f"| {p.gave_up} ({_share(p.gave_up, p.sent)}) "
             f"| {_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)} "
             f"| {_ms(p.total_p50_ms)} / {_ms(p.total_p99_ms)} "
-            f"| {_count(p.wasted_completions)} | {p.wasted_tokens} ({p.wasted_token_share:.0%}) |"
+            f"| {_count(p.wasted_completions)} | {_wasted_tokens(p)} |"
         )
     return "\n".join(lines)
 
 
 def _count(value: int | None) -> str:
     return "n/a" if value is None else str(value)
+
+
+def _wasted_tokens(p: Phase) -> str:
+    if p.wasted_tokens is None or p.wasted_token_share is None:
+        return "n/a"
+    return f"{p.wasted_tokens} ({p.wasted_token_share:.0%})"
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None or value != value else f"{value:.2f}"
 
 
 def _share(part: int, whole: int) -> str:
@@ -234,13 +261,28 @@ def detail_table(phases: Sequence[Phase]) -> str:
         lines.append(
             f"| {p.target} | {p.load:g}x | {p.sent} | {reasons} "
             f"| {_count(p.engine.get('completed'))} / {_count(p.engine.get('aborted'))} "
-            f"| {'n/a' if p.engine_rps is None else f'{p.engine_rps:.2f}'}, {p.mean_batch:.2f}, "
-            f"{p.mean_running:.2f} "
-            f"| {p.front_outcomes.get('cancelled', 0) if p.front_outcomes else '-'} "
+            f"| {_num(p.engine_rps)}, {_num(p.mean_batch)}, {_num(p.mean_running)} "
+            f"| {_cancelled(p)} "
             f"| {'-' if front is None else f'{front:.1f}'}, {p.cpu_s.get('loadgen', 0.0):.1f}, "
             f"{p.cpu_s.get('others', 0.0):.1f} "
             f"| {p.late_send_p99_ms:.1f} |"
         )
+    return "\n".join(lines)
+
+
+def _cancelled(p: Phase) -> str:
+    if p.front_outcomes is None:
+        return "n/a"
+    return str(p.front_outcomes.get("cancelled", 0)) if p.front_outcomes else "-"
+
+
+def missing_report(phases: Sequence[Phase]) -> str:
+    """How many readings could not be taken, and which: the figures built on them are n/a."""
+    missing = [(p, m) for p in phases for m in p.missing]
+    if not missing:
+        return "readings missing: 0"
+    lines = [f"readings missing: {len(missing)} (figures built on them are n/a)"]
+    lines += [f"- {p.target} {p.load:g}x: {m}" for p, m in missing]
     return "\n".join(lines)
 
 
@@ -294,7 +336,11 @@ def verdicts(phases: Sequence[Phase], top: float, min_ratio: float) -> list[Verd
             out.append(Verdict("proxy wasted completions (every load)", f"{wasted} ({per_load})",
                                "0", wasted == 0))  # fmt: skip
         else:  # the engine counts no completions: its generated tokens tell instead
-            per_load = ", ".join(f"{p.load:g}x: {p.wasted_token_share:.1%}" for p in proxy_all)
+            per_load = ", ".join(
+                f"{p.load:g}x: "
+                + ("n/a" if p.wasted_token_share is None else f"{p.wasted_token_share:.1%}")
+                for p in proxy_all
+            )
             out.append(Verdict("proxy wasted tokens, share of generated (every load)",
                                per_load, "(reported)", None))  # fmt: skip
     return out

@@ -1,8 +1,8 @@
-"""Overhead benchmark (issue 2, DESIGN section 12): this proxy against a bare pass-through.
+"""Overhead benchmark (issue 2): this proxy against a bare pass-through.
 
 Four targets in one run, each behind the same load of small non-streaming
 chat completions, first closed loop (``--concurrency`` clients, the issue's
-throughput and p50), then open loop at a fixed rate below saturation (DESIGN's
+throughput and p50), then open loop at a fixed rate below saturation (the benchmark rule's
 added p50):
 
 - ``direct``: straight to ``bench.fast_upstream``, the floor;
@@ -11,7 +11,7 @@ added p50):
   telemetry as it ships: metrics and access log on, tracing off (no
   ``OTEL_*`` configured);
 - ``proxy+tracing``: the same with tracing on, exporting OTLP/HTTP to
-  ``bench.otlp_sink`` (DESIGN: "each with telemetry on and off").
+  ``bench.otlp_sink`` ("each with telemetry on and off").
 
 The figures that matter are ratios against the pass-through measured in the
 same round: req/s (target at least 0.8), added p50 (target at most 1 ms) and
@@ -50,7 +50,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import SCRUBBED_ENV, machine, own_cpu, revision, scrubbed_env
+from bench.common import SCRUBBED_ENV, cpu_line, machine, own_cpu, revision, scrubbed_env
 from bench.load import Requester, closed_loop, open_loop
 from bench.processes import (
     Server,
@@ -103,7 +103,7 @@ MIN_RPS_RATIO = 0.8
 MAX_ADDED_P50_MS = 1.0
 READY_TIMEOUT_S = 20.0
 #: Spans a traced, completed chat request makes: proxy.request, .entrance,
-#: .queue, .upstream, .batch, .gpu (DESIGN section 7).
+#: .queue, .upstream, .batch, .gpu (docs/REFERENCE.md).
 SPANS_PER_REQUEST = 6
 #: After a traced run, how long to wait for its exporter to deliver the last
 #: spans (the SDK's batch processor sends a partial batch after 5 s), so that
@@ -555,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load generator and the servers"
     )
     print(_tracing_note(), flush=True)
+    print(cpu_line(), flush=True)
     started = time.monotonic()
     exported: dict[str, int] = {}
     try:

@@ -1,4 +1,4 @@
-"""Retry-storm benchmark (issue 4, DESIGN section 12): budgeted retries against naive ones.
+"""Retry-storm benchmark (issue 4): budgeted retries against naive ones.
 
 End to end on the simulator: two simulated replicas (``admission-proxy sim``
 child processes) with ``SLOTS`` seats each, one of which answers half its
@@ -60,7 +60,7 @@ import uvloop
 import yaml
 from prometheus_client import CollectorRegistry
 
-from bench.common import finite, machine
+from bench.common import cpu_line, finite, machine
 from bench.retry_storm_fleet import Sims, running_proxy, set_faults, sim_stats, wait_healthy
 from bench.retry_storm_report import (
     Result,
@@ -577,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"measured each; {os.cpu_count()} CPUs shared by everything",
         flush=True,
     )
+    print(cpu_line(), flush=True)
     started = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-retry-storm-") as tmp:

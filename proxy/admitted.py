@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from proxy.deadline import Deadline
 
-#: Bytes per prompt token when no tokenizer is at hand (DESIGN section 12).
+#: Bytes per prompt token when no tokenizer is at hand (docs/REFERENCE.md).
 BYTES_PER_TOKEN = 4
 
 

@@ -1,4 +1,4 @@
-"""The ``admission-proxy`` command line (DESIGN section 4, a contract).
+"""The ``admission-proxy`` command line (docs/REFERENCE.md).
 
 admission-proxy serve --config PATH [--host H] [--port P]
 admission-proxy sim --port P [--slots N] [--seed S] [...]

@@ -1,7 +1,7 @@
 """One deadline per request, made of per-layer budgets.
 
 ``total_ms`` runs from arrival and every layer is clipped to what remains of
-it (DESIGN section 12). The client's ``X-Request-Timeout-Ms`` can only shorten
+it (docs/REFERENCE.md). The client's ``X-Request-Timeout-Ms`` can only shorten
 the total. ``Deadline`` is a value computed once at the entrance; the request
 carries it through every layer, so a reload never changes the rules a queued
 request was admitted under. No I/O and no clock reads here: callers pass

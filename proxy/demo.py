@@ -5,6 +5,10 @@ the replica URLs replaced by the simulators' OS-chosen ports), drives mixed
 open-loop traffic from three tenants of different priorities (one of them
 over its rate quota), prints a progress line each second and a per-tenant
 summary, and exits 0 by itself. Everything runs on loopback.
+
+The last simulated replica answers a light share of requests (``DEMO_FAULT_RATE``)
+with 503, as an engine under pressure does, so the summary shows the proxy
+retrying them on the other replica (``admission_retries_total``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from proxy.keys import RUNTIME
 from proxy.lifecycle import bound_port
 from proxy.settings import Config, load_config
 from proxy.sim import SimConfig, SimServer, start_sim
+from proxy.sim.faults import Faults
 from proxy.sse import has_token
 
 DEMO_CONFIG_CANDIDATES = (
@@ -37,6 +42,11 @@ DEMO_CONFIG_CANDIDATES = (
 )
 #: Seconds the demo waits for the last requests after traffic stops.
 DRAIN_S = 10.0
+#: Share of requests the last simulated replica answers with ``DEMO_FAULT_STATUS``:
+#: light enough that the retry budget's floor covers every retry.
+DEMO_FAULT_RATE = 0.05
+#: A status in the default ``retry.retry_on``: retried, and not counted toward ejection.
+DEMO_FAULT_STATUS = 503
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +85,29 @@ def _find_config(path: str | None) -> Path:
         if candidate.exists():
             return candidate
     raise FileNotFoundError("config/demo.yaml not found; pass --config")
+
+
+def sim_configs(count: int, fault_rate: float = DEMO_FAULT_RATE) -> list[SimConfig]:
+    """One simulator per replica; the last one fails ``fault_rate`` of its requests."""
+    faulty = Faults(error_rate=fault_rate, error_status=DEMO_FAULT_STATUS)
+    return [SimConfig(seed=i, faults=faulty if i == count - 1 else Faults()) for i in range(count)]
+
+
+def retries_by_reason(app: web.Application) -> Counter[str]:
+    """The proxy's ``admission_retries_total`` by reason, read from its own registry."""
+    retries: Counter[str] = Counter()
+    for family in app[RUNTIME].telemetry.metrics.registry.collect():
+        if family.name != "admission_retries":
+            continue
+        for sample in family.samples:
+            if sample.name == "admission_retries_total" and sample.value:
+                retries[sample.labels["reason"]] += int(sample.value)
+    return retries
+
+
+def retries_line(retries: Counter[str]) -> str:
+    reasons = ", ".join(f"{reason} {n}" for reason, n in retries.most_common())
+    return f"retries: {sum(retries.values())}" + (f" ({reasons})" if reasons else "")
 
 
 def _with_replicas(config: Config, sims: list[SimServer]) -> Config:
@@ -152,9 +185,11 @@ async def _progress(app: web.Application, stats: dict[str, TenantStats], out: Te
         ok = sum(s.ok for s in stats.values())
         refused = sum(sum(s.refused.values()) for s in stats.values())
         seats = " ".join(f"{r.name}={r.inflight}/{r.limit}" for r in runtime.pool.replicas)
+        retried = sum(retries_by_reason(app).values())
         print(
             f"[{time.monotonic() - started:5.1f}s] sent {sent:5d}  ok {ok:5d}  "
-            f"refused {refused:5d}  queued {len(runtime.dispatcher.scheduler):3d}  seats {seats}",
+            f"refused {refused:5d}  retried {retried:3d}  "
+            f"queued {len(runtime.dispatcher.scheduler):3d}  seats {seats}",
             file=out,
             flush=True,
         )
@@ -183,10 +218,13 @@ def summary_table(stats: dict[str, TenantStats], config: Config) -> str:
 
 
 async def run_demo(
-    duration_s: float = 20.0, config_path: str | None = None, out: TextIO = sys.stdout
+    duration_s: float = 20.0,
+    config_path: str | None = None,
+    out: TextIO = sys.stdout,
+    fault_rate: float = DEMO_FAULT_RATE,
 ) -> int:
     config = load_config(_find_config(config_path))
-    sims = [await start_sim(SimConfig(seed=i)) for i in range(len(config.replicas))]
+    sims = [await start_sim(c) for c in sim_configs(len(config.replicas), fault_rate)]
     config = _with_replicas(config, sims)
     app = build_app(config, seed=0, access_log=False)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -195,6 +233,11 @@ async def run_demo(
     await site.start()
     url = f"http://127.0.0.1:{bound_port(site)}"
     print(f"proxy on {url}; replicas: " + ", ".join(s.url for s in sims), file=out)
+    print(
+        f"{config.replicas[-1].name} answers {fault_rate:.0%} of its requests with "
+        f"{DEMO_FAULT_STATUS}; the proxy retries them on another replica",
+        file=out,
+    )
     print(f"driving {duration_s:.0f} s of mixed traffic from 3 tenants...", file=out, flush=True)
     stats = {name: TenantStats() for name in config.tenants}
     progress = asyncio.ensure_future(_progress(app, stats, out))
@@ -208,10 +251,12 @@ async def run_demo(
         for sim in sims:
             await sim.close()
     print("\n" + summary_table(stats, config), file=out)
+    print("\n" + retries_line(retries_by_reason(app)), file=out)
     print(
         "\nThe fleet has 8 seats and is offered several times that: every refusal was "
-        "answered with its reason (X-Admission-Reason; README lists them), never "
-        "later than its tenant's queue budget. Seats are shared by class and "
+        "answered with its reason (X-Admission-Reason; docs/REFERENCE.md lists them), "
+        "never later than its tenant's queue budget, and the faulty replica's 503s were "
+        "retried on the other one. Seats are shared by class and "
         "tenant weight in tokens, so analytics' long batch requests get few, large turns.",
         file=out,
     )

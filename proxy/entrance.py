@@ -6,7 +6,7 @@ where a ``ProxyError`` becomes an HTTP response. It writes the request's end
 into its record exactly once, whatever happened (``finally``), which is what
 makes "every request ends exactly once with one outcome" hold.
 
-Order of checks: 401, 400 (headers: ``X-Priority``, ``X-Request-Timeout-Ms``,
+Order of checks (docs/REFERENCE.md): 401, 400 (headers: ``X-Priority``, ``X-Request-Timeout-Ms``,
 the path), 403, 404 ``route_not_allowed``, 413 on Content-Length, rate limit,
 body read (408, 413, 400), 503 ``shutting_down``, then admission. The route
 check comes after every header check so that a client without a valid key
@@ -339,7 +339,7 @@ def json_too_deep(body: bytes, limit: int) -> bool:
 
 
 def estimate_cost(body: bytes, doc: Any) -> float:
-    """Prompt tokens (bytes / 4) plus the output limit, capped (DESIGN section 12)."""
+    """Prompt tokens (bytes / 4) plus the output limit, capped (docs/REFERENCE.md)."""
     output: Any = None
     if isinstance(doc, dict):
         output = doc.get("max_tokens") or doc.get("max_completion_tokens")

@@ -1,7 +1,7 @@
 """Every outcome the proxy answers itself, as one exception tree.
 
 Each class carries its HTTP status, its stable ``reason`` code (the public
-contract of DESIGN section 6) and the outcome label it is counted under
+contract of docs/REFERENCE.md) and the outcome label it is counted under
 (section 12). Lower layers raise these; ``entrance.py`` is the only place that
 turns one into an HTTP response, and ``upstream.py`` the only place that
 translates aiohttp's client errors into them.

@@ -131,7 +131,7 @@ async def _send(
 
     A retried failure gives its seat back for the backoff (keeping the
     tenant's place) and takes the next free seat ahead of queued tickets,
-    preferring another replica (DESIGN section 12).
+    preferring another replica (docs/REFERENCE.md).
     """
     deadline = admitted.deadline
     while True:
@@ -199,8 +199,8 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
         headers=headers,
         body=admitted.body,
         streaming=admitted.streaming,
-        # Inference routes are safe to repeat before the first byte (DESIGN
-        # section 5), and so are safe methods anywhere (RFC 9110 section 9.2.1).
+        # Inference routes are safe to repeat before the first byte (docs/REFERENCE.md,
+        # retry classes), and so are safe methods anywhere (RFC 9110 section 9.2.1).
         resend_on_stale=admitted.inference or request.method in SAFE_METHODS,
     )
 

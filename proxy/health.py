@@ -6,7 +6,7 @@
 that ``ReplicaPool`` reads (``ejected``, ``warming``, ``saturated``); it never
 holds a seat and its requests are never counted as client requests.
 
-Rules (DESIGN section 12):
+Rules (docs/REFERENCE.md):
 - failures that count: connect errors and timeouts, resets, 500/502/504,
   first-byte timeouts and failed probes, on one counter per replica; 429 and
   503 are saturation, not sickness;
@@ -45,7 +45,7 @@ from proxy.upstream import translate
 
 log = structlog.get_logger(__name__)
 
-#: The longest single ejection (DESIGN section 12).
+#: The longest single ejection (docs/REFERENCE.md).
 MAX_EJECTION_S = 300.0
 #: Engine gauges read for saturation, in order of preference.
 WAITING_METRICS = (

@@ -1,6 +1,6 @@
 """Running the proxy as a process: listen, serve, and shut down gracefully.
 
-SIGTERM (DESIGN section 8): ``/readyz`` turns 503 at once; queued requests and
+SIGTERM (docs/REFERENCE.md): ``/readyz`` turns 503 at once; queued requests and
 new arrivals are answered 503 ``shutting_down`` with ``Connection: close``
 while the listener stays open so load balancers notice; in-flight requests
 get up to ``server.shutdown_grace_ms``; streams still open then are cut

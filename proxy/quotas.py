@@ -1,7 +1,7 @@
 """Per-tenant entrance quotas: a token bucket on an injected clock.
 
 Behind a small interface (``try_take``) so that a shared implementation (a
-Redis script for a gateway tier, DESIGN section 11) can replace the local one.
+Redis script for a gateway tier) can replace the local one.
 A refused request takes no token, and the refusal says exactly how long until
 the next token: that is the ``Retry-After`` of ``rate_limited``.
 

@@ -77,7 +77,7 @@ class RequestRecord:
         self.timeout_layer = layer if isinstance(layer, str) else None
 
     def cancel(self) -> None:
-        """The client left: logged with status 499 (DESIGN section 12)."""
+        """The client left: logged with status 499 (docs/REFERENCE.md)."""
         self.status_sent = self.status
         self.status, self.outcome, self.reason = 499, "cancelled", "client_disconnected"
         self.timeout_layer = None

@@ -6,7 +6,7 @@ watches miss), and ``POST /admin/reload``. An invalid file changes nothing:
 every error is logged with its YAML path and counted as
 ``admission_config_reloads_total{result="invalid"}``.
 
-What a valid reload changes (DESIGN section 12): every key but those of
+What a valid reload changes (docs/REFERENCE.md): every key but those of
 ``RESTART_KEYS`` (``server.host``, ``server.port`` and the listener's limits
 ``header_ms``, ``keepalive_ms``, ``max_connections``). New tenants, keys,
 weights, caps, capacities, rate limits, budgets, timeouts (``connect_ms``

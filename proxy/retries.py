@@ -1,7 +1,7 @@
 """Which failures are retried, how long to wait, and whether the fleet can afford it.
 
 ``RetryPolicy`` classifies a failed attempt into one of the ``retry_on``
-classes (DESIGN section 5) and decides, with the request's deadline, whether
+classes (docs/REFERENCE.md) and decides, with the request's deadline, whether
 another attempt is allowed and after what backoff. ``RetryBudget`` is the
 fleet-wide guard that keeps retries from amplifying an overload: retries may
 be at most ``budget_ratio`` of the requests dispatched in the recent window,

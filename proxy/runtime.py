@@ -2,8 +2,8 @@
 
 ``Rules`` is everything derived from one validated ``Config`` (key index,
 per-tenant budgets): immutable, swapped whole on reload, and read once per
-request, so a request keeps the rules it was admitted under (DESIGN section 2,
-invariant 5). ``Runtime`` holds the long-lived components (dispatcher, seats,
+request, so a request keeps the rules it was admitted under (docs/REFERENCE.md,
+guarantee 5). ``Runtime`` holds the long-lived components (dispatcher, seats,
 client session, telemetry); ``app.py`` builds it and owns its lifecycle.
 """
 

@@ -1,6 +1,6 @@
 """The configuration model: one frozen, validated tree built once and passed down.
 
-The YAML keys of DESIGN section 5 are the field names here, in the same order,
+The YAML keys of docs/REFERENCE.md are the field names here, in the same order,
 and every default is a named constant next to the model that uses it. All
 cross-field rules live in validators, so a bad config fails at start-up (or is
 refused on reload) with *every* problem at its YAML path, never at the first
@@ -280,7 +280,7 @@ class ReplicaConfig(_Section):
 
 
 class HealthConfig(_Section):
-    """Active probes and passive ejection (DESIGN section 12, Health)."""
+    """Active probes and passive ejection (docs/REFERENCE.md, Health and ejection)."""
 
     path: Annotated[str, AfterValidator(_check_path)] = DEFAULT_HEALTH_PATH
     interval_ms: int = Field(default=DEFAULT_HEALTH_INTERVAL_MS, gt=0)
@@ -436,7 +436,7 @@ class _DocumentSource(PydanticBaseSettingsSource):
 
 
 class Config(BaseSettings):
-    """The whole configuration (DESIGN section 5), in the key order of the YAML."""
+    """The whole configuration (docs/REFERENCE.md), in the key order of the YAML."""
 
     model_config = SettingsConfigDict(
         frozen=True,
@@ -610,7 +610,7 @@ def _env_issue(exc: SettingsError) -> ConfigIssue:
 
 
 def dump_effective_config(config: Config, *, mask_secrets: bool = False) -> str:
-    """The effective config as YAML, every default filled in, keys in DESIGN order.
+    """The effective config as YAML, every default filled in, keys in the reference's order.
 
     With ``mask_secrets`` every ``api_keys`` entry, ``sha256:`` ones included,
     becomes ``"***"``; the output then no longer loads (its keys collide).

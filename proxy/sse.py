@@ -4,7 +4,7 @@ The bytes are forwarded as they arrive; this only watches them. Events are
 read line by line because a chunk boundary can fall anywhere. TTFT is the
 first ``data:`` event with non-empty ``delta.content``, ``reasoning_content``,
 ``tool_calls``, completion ``text`` or TGI ``token.text``: not the first byte,
-not a role-only delta, not a ``:`` keep-alive comment (DESIGN section 7).
+not a role-only delta, not a ``:`` keep-alive comment (docs/REFERENCE.md).
 
 Only events before the first token and events that carry ``usage`` are
 decoded as JSON; after the first token the rest are counted by a cheap prefix

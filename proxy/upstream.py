@@ -8,7 +8,7 @@ An attempt is bounded by three clocks: the connect timeout (aiohttp's
 ``sock_connect``), the first-byte budget for streaming requests (dispatch to
 the first upstream body byte, clipped to the total), and the total deadline.
 A non-streaming answer's first byte comes only when it is complete, so those
-are bounded by the total alone (DESIGN section 12).
+are bounded by the total alone (docs/REFERENCE.md).
 """
 
 from __future__ import annotations

@@ -176,6 +176,6 @@ def llama_servers(
 def llama_pair(
     real_engine: Engine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[LlamaServer]]:
-    """Two replicas with ``--parallel 2`` and one thread each (DESIGN: two cores)."""
+    """Two replicas with ``--parallel 2`` and one thread each (two cores)."""
     with llama_servers(real_engine, tmp_path_factory.mktemp("llama"), 2, parallel=2) as servers:
         yield servers

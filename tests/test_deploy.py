@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy import schema
 from proxy.cli import _parser
 from proxy.errors import Outcome, ProxyError
-from proxy.settings import DEFAULT_PORT, Config, ConfigError, parse_config
+from proxy.settings import DEFAULT_PORT, Config, ConfigError, dump_effective_config, parse_config
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 
@@ -38,13 +38,13 @@ Start = Callable[..., Awaitable[ProxyUnderTest]]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-DESIGN = ROOT.parent / "shared" / "DESIGN.md"
+REFERENCE = ROOT / "docs" / "REFERENCE.md"
 CONFIG_DIR = "/etc/admission-proxy"
 IMAGE_CONFIG = f"{CONFIG_DIR}/config.yaml"
 SERVE = ["admission-proxy", "serve", "--config", IMAGE_CONFIG]
 
-#: DESIGN section 7 (a contract): every metric name, its type and its labels.
-DESIGN_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+#: The metric table of docs/REFERENCE.md (a contract): every name, its type and its labels.
+CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "admission_requests_total": ("counter", frozenset({"tenant", "priority", "outcome", "reason"})),
     "admission_queue_depth": ("gauge", frozenset({"tenant", "priority"})),
     "admission_queue_depth_max": ("gauge", frozenset({"tenant"})),
@@ -59,6 +59,7 @@ DESIGN_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "admission_replica_inflight": ("gauge", frozenset({"replica"})),
     "admission_replica_limit": ("gauge", frozenset({"replica"})),
     "admission_replica_healthy": ("gauge", frozenset({"replica"})),
+    "admission_headroom_dispatches_total": ("counter", frozenset({"tenant"})),
     "admission_gpu_utilization_ratio": ("gauge", frozenset({"gpu"})),
     "admission_gpu_memory_used_ratio": ("gauge", frozenset({"gpu"})),
     "admission_config_reloads_total": ("counter", frozenset({"result"})),
@@ -573,13 +574,13 @@ def _queries() -> list[tuple[str, str]]:
     return queries
 
 
-def _design_name(used: str) -> str:
-    """The DESIGN section 7 metric a series name belongs to (``x_bucket`` -> histogram ``x``)."""
-    for name, (kind, _) in DESIGN_METRICS.items():
+def _contract_name(used: str) -> str:
+    """The contract metric a series name belongs to (``x_bucket`` -> histogram ``x``)."""
+    for name, (kind, _) in CONTRACT_METRICS.items():
         series = [name] if kind == "counter" else [name + s for s in SUFFIXES[kind]]
         if used in series:
             return name
-    pytest.fail(f"{used} is not a metric of DESIGN section 7")
+    pytest.fail(f"{used} is not a metric of docs/REFERENCE.md")
 
 
 def _subclasses(cls: type[ProxyError]) -> Iterator[type[ProxyError]]:
@@ -647,9 +648,9 @@ def test_alert_rules_cover_the_issue_signals() -> None:
         assert rule["annotations"]["summary"]
 
 
-def test_queries_use_design_names_labels_and_values() -> None:
-    """Every metric, label and label value a query uses is one DESIGN section 7 (and the
-    reason codes of section 6) define: a typo would draw an empty panel or a silent alert."""
+def test_queries_use_contract_names_labels_and_values() -> None:
+    """Every metric, label and label value a query uses is one the reference's metric table
+    (and its reason codes) define: a typo would draw an empty panel or a silent alert."""
     reasons = {cls.reason for cls in _subclasses(ProxyError)} | EXTRA_REASONS
     values = {"reason": reasons, "outcome": set(get_args(Outcome)), "layer": LAYERS}
     for where, expr in _queries():
@@ -657,7 +658,7 @@ def test_queries_use_design_names_labels_and_values() -> None:
         assert selectors, f"{where}: no metric in {expr}"
         in_expr: set[str] = set(TARGET_LABELS)
         for used, matchers in selectors:
-            labels = DESIGN_METRICS[_design_name(used)][1]
+            labels = CONTRACT_METRICS[_contract_name(used)][1]
             allowed = labels | TARGET_LABELS | ({"le"} if used.endswith("_bucket") else set())
             in_expr |= allowed
             for label, _, value in matchers:
@@ -668,14 +669,18 @@ def test_queries_use_design_names_labels_and_values() -> None:
         assert grouped <= in_expr, f"{where}: grouping by {sorted(grouped - in_expr)}"
 
 
-def test_design_table_matches_the_contract_copy() -> None:
-    """DESIGN_METRICS here is DESIGN section 7's table (checked when DESIGN.md is present)."""
-    if not DESIGN.is_file():
-        pytest.skip(f"{DESIGN} not present")
-    text = DESIGN.read_text(encoding="utf-8")
-    section = text[text.index("**Metrics**") : text.index("**Admin API**")]
+def _reference_section(title: str) -> str:
+    """The text of one ``## title`` section of docs/REFERENCE.md."""
+    text = REFERENCE.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_reference_metric_table_is_the_contract_copy() -> None:
+    """CONTRACT_METRICS here is docs/REFERENCE.md's metric table, name for name."""
     table: dict[str, tuple[str, frozenset[str]]] = {}
-    for line in section.splitlines():
+    for line in _reference_section("Metrics").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 3 or not cells[0].startswith("`admission_"):
             continue
@@ -684,11 +689,50 @@ def test_design_table_matches_the_contract_copy() -> None:
             kind = re.match(r"\w+", cells[1])
             assert kind is not None, line
             table[name] = (kind[0], labels)
-    assert table == DESIGN_METRICS
+    assert table == CONTRACT_METRICS
+
+
+def _reference_config() -> dict[str, Any]:
+    """The configuration block of docs/REFERENCE.md: every key with its default."""
+    section = _reference_section("Configuration (YAML)")
+    block = re.search(r"```yaml\n(.*?)```", section, re.DOTALL)
+    assert block is not None, "no yaml block in the Configuration section"
+    document: dict[str, Any] = yaml.safe_load(block[1])
+    return document
+
+
+def test_reference_config_lists_every_key_with_its_default() -> None:
+    """The reference's config block is a valid config whose every key and default is the
+    settings model's (a minimal config's effective dump): a key renamed, added without
+    documentation or a default changed in either place fails here."""
+    documented = _reference_config()
+    parse_config(yaml.safe_dump(documented))  # every documented key exists, values valid
+    replica, tenant_name = documented["replicas"][0], next(iter(documented["tenants"]))
+    required_replica = {k: replica[k] for k in ("name", "url", "max_concurrency")}
+    required_tenant = {"api_keys": documented["tenants"][tenant_name]["api_keys"]}
+    minimal = {"replicas": [required_replica], "tenants": {tenant_name: required_tenant}}
+    effective = yaml.safe_load(dump_effective_config(parse_config(yaml.safe_dump(minimal))))
+    assert set(documented) == set(effective)
+    for key in effective:
+        if key not in ("replicas", "tenants"):
+            assert documented[key] == effective[key], key
+    assert documented["replicas"][0] == effective["replicas"][0]
+    tenant = effective["tenants"][tenant_name]
+    # The dump spells "no override" out as nulls; the reference writes it as {}.
+    tenant["budgets"] = {k: v for k, v in tenant["budgets"].items() if v is not None}
+    assert documented["tenants"] == effective["tenants"]
+
+
+def test_reference_reason_codes_are_the_proxys() -> None:
+    """Every reason code of the proxy's error tree is in the reference's status table."""
+    section = _reference_section("HTTP behaviour")
+    for cls in _subclasses(ProxyError):
+        assert f"`{cls.reason}`" in section, cls.reason
 
 
 async def test_live_metrics_export_everything_used(start_proxy: Start, upstream_url: str) -> None:
-    """A live proxy's /metrics declares every DESIGN metric with its type and labels, so every
+    """A live proxy's /metrics declares every reference metric with its type and labels, and
+    nothing else under ``admission_``, so every
     name the dashboard and alerts query exists (families without samples yet count by TYPE)."""
     proxy = await start_proxy(make_config([upstream_url]))
     auth = {"Authorization": f"Bearer {KEY_A}"}
@@ -703,7 +747,13 @@ async def test_live_metrics_export_everything_used(start_proxy: Start, upstream_
     for exported_family in families.values():
         for suffix in SUFFIXES.get(exported_family.type, ("",)):
             exported[exported_family.name + suffix] = exported_family.type
-    for name, (kind, labels) in DESIGN_METRICS.items():
+    exported_names = {
+        f.name + ("_total" if f.type == "counter" else "")
+        for f in families.values()
+        if f.name.startswith("admission_") and not f.name.endswith("_created")
+    }
+    assert exported_names == set(CONTRACT_METRICS), "every exported metric is in the reference"
+    for name, (kind, labels) in CONTRACT_METRICS.items():
         family = families.get(name.removesuffix("_total") if kind == "counter" else name)
         assert family is not None and family.type == kind, f"/metrics lacks {name} ({kind})"
         for sample in family.samples:

@@ -12,6 +12,7 @@ from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import (
     PredictedWaitExceedsBudget,
     QueueTimeout,
+    ShuttingDown,
     TenantConcurrency,
     TenantQueueFull,
 )
@@ -157,9 +158,9 @@ async def test_close_answers_every_queued_ticket() -> None:
     queued = [enqueue(d, clock, t) for t in ("a", "b", "b")]
     d.close()
     for ticket in queued:
-        with pytest.raises(Exception, match="shutting down"):
+        with pytest.raises(ShuttingDown, match="shutting down"):
             await d.wait(ticket)
-    with pytest.raises(Exception, match="shutting down"):
+    with pytest.raises(ShuttingDown, match="shutting down"):
         enqueue(d, clock, "a")
     d.finish(holder, await d.wait(holder))
 
@@ -185,7 +186,7 @@ async def test_prediction_fails_open_on_a_cold_proxy() -> None:
     assert len(d.scheduler) == 50
     d.close()
     for t in queued:
-        with pytest.raises(Exception, match="shutting down"):
+        with pytest.raises(ShuttingDown, match="shutting down"):
             await d.wait(t)
     d.finish(holder, await d.wait(holder))
 
@@ -210,7 +211,7 @@ async def test_predicted_wait_over_the_budget_is_refused_at_once() -> None:
     assert len(d.scheduler) == 10 and d.pool.total_inflight() == 1
     d.close()
     for t in accepted:
-        with pytest.raises(Exception, match="shutting down"):
+        with pytest.raises(ShuttingDown, match="shutting down"):
             await d.wait(t)
     d.finish(holder, seat)
 
@@ -232,7 +233,7 @@ async def test_prediction_uses_the_fair_share_of_the_flow() -> None:
     assert d.predict_wait("b", "batch", clock.now()) == pytest.approx(0.9, rel=0.01)
     d.close()
     for t in queued:
-        with pytest.raises(Exception, match="shutting down"):
+        with pytest.raises(ShuttingDown, match="shutting down"):
             await d.wait(t)
     d.finish(holder, seat)
 
@@ -288,7 +289,7 @@ async def test_admitted_tickets_rarely_outlive_their_budget_under_sustained_over
     assert steady["refused"] == 0 and steady["expired"] == 0, steady
     d.close()
     for t in waiting:
-        with pytest.raises(Exception, match="shutting down"):
+        with pytest.raises(ShuttingDown, match="shutting down"):
             await d.wait(t)
     for t, seat, _ in running:
         d.finish(t, seat)

@@ -201,9 +201,17 @@ async def test_the_proxy_queues_so_the_engine_never_does(
 ) -> None:
     """Seats equal to the slots: the engines' own queue stays empty while the proxy
     queues tenant a's excess, refuses what does not fit its queue, and refuses
-    tenant b's request whose queue budget is too short for the wait."""
+    tenant b's request whose queue budget is too short for the wait.
+
+    Tenant a's budgets outlast three rounds of 600 tokens on any machine, so
+    which of its requests are served depends on its queue's capacity only (with
+    the default 2 s ``queue_ms`` a slow machine timed two of them out)."""
     tenants = {
-        "a": {"api_keys": [KEY_A], "queue_capacity": 6},
+        "a": {
+            "api_keys": [KEY_A],
+            "queue_capacity": 6,
+            "budgets": {"queue_ms": 150_000, "total_ms": 170_000},
+        },
         "b": {"api_keys": [KEY_B], "budgets": {"queue_ms": 30}},
     }
     proxy = await start_proxy(engine_config(llama_pair, tenants=tenants))
@@ -217,7 +225,8 @@ async def test_the_proxy_queues_so_the_engine_never_does(
         await wait_for(lambda: proxy.runtime.dispatcher.queued() == 6, timeout_s=10)
         late = await client.post(CHAT, json=chat(8), headers=auth(KEY_B))
         responses = await asyncio.gather(*burst)
-        await asyncio.sleep(0.05)
+        seen = sampler.samples
+        await wait_for(lambda: sampler.samples >= seen + 2)  # a full round after the last
     statuses = Counter(r.status for r in responses)
     reasons = Counter(r.headers.get("X-Admission-Reason") for r in responses if r.status != 200)
     assert statuses == {200: 10, 429: 4}, statuses

@@ -147,10 +147,12 @@ async def test_upstream_429_retry_after_is_honoured_when_it_fits(
     and passed through at once when it does not."""
     retry = {**QUICK_RETRY, "retry_on": ["http_429"]}
     proxy = await start_proxy(make_config([sims[0].url], retry=retry))
+    dice = sims[0].state.dice
+    injected = dice.errors_injected
     await sims[0].set_faults(error_rate=1.0, error_status=429, error_retry_after_s=2)
     started = time.monotonic()
     waiting = asyncio.ensure_future(proxy.client.post(CHAT, json=body(), headers=AUTH))
-    await asyncio.sleep(0.5)
+    await wait_for(lambda: dice.errors_injected > injected)  # the first attempt got its 429
     await sims[0].set_faults(error_rate=0.0)
     resp = await waiting
     assert resp.status == 200

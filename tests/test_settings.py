@@ -40,8 +40,8 @@ BASE: dict[str, Any] = {
     "tenants": {"acme": {"api_keys": ["sk-acme-1"]}},
 }
 
-#: The top-level keys in the order of DESIGN section 5.
-DESIGN_KEY_ORDER = [
+#: The top-level keys in the order of docs/REFERENCE.md.
+REFERENCE_KEY_ORDER = [
     "server",
     "admin",
     "replicas",
@@ -174,7 +174,7 @@ DEFAULT_ROUTES_AS_DOCUMENTED = (
     ],
 )
 def test_defaults_match_design(path: str, expected: object) -> None:
-    """Minimal config (one replica, one tenant): every omitted key has DESIGN's default."""
+    """Minimal config (one replica, one tenant): every omitted key has the documented default."""
     assert _lookup(_parse(), path) == expected
 
 
@@ -684,9 +684,9 @@ def test_dump_round_trips(path: Path) -> None:
 
 
 def test_dump_follows_design_key_order() -> None:
-    """Minimal config dumped: every top-level key present, in DESIGN section 5 order."""
+    """Minimal config dumped: every top-level key present, in docs/REFERENCE.md order."""
     dumped = yaml.safe_load(dump_effective_config(_parse()))
-    assert list(dumped) == DESIGN_KEY_ORDER
+    assert list(dumped) == REFERENCE_KEY_ORDER
     assert dumped["retry"]["retry_on"] == list(DEFAULT_RETRY_ON)
 
 
@@ -707,7 +707,7 @@ def test_check_config_valid_file_prints_effective_config() -> None:
     assert check_config(str(EXAMPLE), out, err) == EXIT_OK == 0
     assert err.getvalue() == ""
     dumped = yaml.safe_load(out.getvalue())
-    assert list(dumped) == DESIGN_KEY_ORDER
+    assert list(dumped) == REFERENCE_KEY_ORDER
     assert "sk-acme-1" not in out.getvalue()
 
 

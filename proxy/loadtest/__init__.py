@@ -1,6 +1,6 @@
 """Capacity tooling: ``admission-proxy loadtest staircase`` and ``loadtest phases``.
 
-Operators must not guess concurrency limits (DESIGN section 10). The
+Operators must not guess concurrency limits (docs/REFERENCE.md). The
 staircase test steps closed-loop concurrency against any OpenAI-compatible
 URL and names the knee; the phases test drives open-loop Poisson traffic from
 a workload file through the proxy and reports goodput, rejections and how the

@@ -133,7 +133,7 @@ def add_loadtest_arguments(subparsers: Any) -> None:
     loadtest = subparsers.add_parser(
         "loadtest",
         help="capacity tests: staircase (find max_concurrency) and phases (goodput)",
-        description="Capacity tests (DESIGN section 10). Every run is bounded and ends itself.",
+        description="Capacity tests (docs/REFERENCE.md). Every run is bounded and ends itself.",
     )
     kinds = loadtest.add_subparsers(dest="loadtest_command", required=True)
 

@@ -1,4 +1,4 @@
-"""The staircase's stop lines and knee rules (DESIGN section 10): pure functions.
+"""The staircase's stop lines and knee rules (docs/REFERENCE.md): pure functions.
 
 Input is a level table: ``LevelStats`` rows in the order they ran, where a
 level that tripped a stop line may appear twice (``run`` 1, then its re-run

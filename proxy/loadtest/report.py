@@ -5,7 +5,7 @@ including the ``max_concurrency`` snippet it prints (``phases_report`` owns
 the phases run's). The JSON carries every figure the Markdown shows (the
 staircase's ``levels``, ``throughput_knee``, ``latency_limit``,
 ``recommended_max_concurrency`` and ``decided_by`` at the top level, as
-DESIGN section 10 names them), so dashboards and CI read the JSON while
+docs/REFERENCE.md names them), so dashboards and CI read the JSON while
 people read the Markdown.
 """
 
@@ -93,7 +93,7 @@ def write_json(path: Path, data: object) -> None:
 
 
 def max_concurrency_snippet(result: StaircaseResult) -> str:
-    """A config fragment ready to paste under ``replicas:`` (DESIGN section 5)."""
+    """A config fragment ready to paste under ``replicas:`` (docs/REFERENCE.md)."""
     verdict = result.verdict
     value = verdict.recommended_max_concurrency
     why = describe_decider(verdict.decided_by) if verdict.decided_by else ""

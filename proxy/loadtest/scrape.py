@@ -2,7 +2,7 @@
 
 Owns ``parse_metrics`` (text to a ``MetricsSample``: pure) and
 ``MetricsSampler`` (a bounded background scrape on an interval). What is
-read, by the names of DESIGN section 7 and the engines' own:
+read, by the names of docs/REFERENCE.md and the engines' own:
 
 - queue depth: the proxy's ``admission_queue_depth{tenant,priority}``; against
   a bare engine, its waiting queue (``vllm:num_requests_waiting``);

@@ -4,7 +4,7 @@
 (the nvidia-ml-py package), ``FakeGpuProbe`` serves tests. ``GpuSampler``
 calls the probe in a worker thread every ``gpu.sample_ms`` and publishes an
 immutable snapshot; the request path and the metrics read only the snapshot,
-so NVML never blocks the event loop (DESIGN section 2, invariant 4).
+so NVML never blocks the event loop (docs/REFERENCE.md, guarantee 4).
 
 Without a driver, ``nvmlInit`` raises ``NVMLError_LibraryNotFound``: the
 probe reports itself unavailable once, with one log line, and every GPU

@@ -2,7 +2,7 @@
 
 structlog renders the process log as JSON lines; the access line, in the same
 shape, is written in exactly one place (``AccessLog.write``), when a request
-ends, with the fields of DESIGN section 7.
+ends, with the fields of docs/REFERENCE.md.
 API keys never reach a log: the record holds the tenant name, not the key.
 
 Process lines go to stdout through ``LineLogger``, which writes without
@@ -76,7 +76,7 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def access_fields(record: RequestRecord, trace_id: str | None) -> dict[str, Any]:
-    """The access line's fields, in order (DESIGN section 7), for an ended record."""
+    """The access line's fields, in order (docs/REFERENCE.md), for an ended record."""
     return {
         "request_id": record.request_id,
         "trace_id": trace_id,

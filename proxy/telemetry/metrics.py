@@ -1,4 +1,4 @@
-"""Prometheus metrics: the names and labels of DESIGN section 7 (a contract).
+"""Prometheus metrics: the names and labels of docs/REFERENCE.md (a contract).
 
 Each app owns its own ``CollectorRegistry`` so several proxies can live in one
 process (tests, benchmarks) without colliding. Counters and histograms are

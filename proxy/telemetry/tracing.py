@@ -9,7 +9,7 @@ span ``proxy.request`` (parented on the client's ``traceparent``) and each
 record already holds, with explicit start and end times: no span objects and
 no context switches on the hot path for them.
 
-The exporter follows the standard variables (DESIGN section 7): OTLP over HTTP
+The exporter follows the standard variables (docs/REFERENCE.md): OTLP over HTTP
 when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
 is set or ``OTEL_TRACES_EXPORTER=otlp``; ``console`` for debugging; nothing
 configured (or ``none``) means no tracer at all, and every hook returns at
