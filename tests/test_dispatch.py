@@ -311,3 +311,69 @@ async def test_seat_released_when_the_replica_is_done_goes_to_the_next_ticket() 
     assert d.inflight("a") == 0
     d.finish(waiting, await d.wait(waiting))
     assert d.pool.total_inflight() == 0 and d.total_inflight() == 0
+
+
+def _two_replicas(clock: FakeClock, queue_capacity: int = 200) -> tuple[Dispatcher, list[Replica]]:
+    replicas = [
+        Replica(ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{i + 1}", max_concurrency=4))
+        for i in range(2)
+    ]
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=queue_capacity)}
+    return Dispatcher(ReplicaPool(replicas), FairScheduler(WEIGHTS), clock, limits), replicas
+
+
+async def _sparse_traffic(d: Dispatcher, clock: FakeClock) -> None:
+    """Three minutes, one request every 5 s: 50 ms each, but three slow (2 s) and two
+    that failed at once (a connect error holds its seat a millisecond)."""
+    for i in range(36):
+        clock.advance(5.0)
+        ticket = enqueue(d, clock, "a")
+        seat = await d.wait(ticket)
+        clock.advance(2.0 if i in (5, 17, 33) else 0.001 if i in (9, 30) else 0.05)
+        d.finish(ticket, seat)
+
+
+async def test_a_burst_after_a_quiet_period_and_a_replica_loss_is_not_refused() -> None:
+    """Sparse traffic for minutes, one of two replicas lost, then 100 requests at once:
+    the 4 seats left at 50 ms serve them in about 1.25 s, well inside a 5 s queue
+    budget, so none is refused and every one gets its seat in time."""
+    clock = FakeClock()
+    d, replicas = _two_replicas(clock)
+    await _sparse_traffic(d, clock)
+    replicas[1].ejected = True
+    budgets = BudgetsConfig(queue_ms=5000, first_byte_ms=1000, total_ms=30000)
+    burst = [enqueue(d, clock, "a", budgets=budgets) for _ in range(100)]  # none refused
+    estimate = d.predict_wait("a", "standard", clock.now())
+    assert estimate is not None and estimate < 2.0  # 97 ahead at about 80 per second
+    running = [(t, t.seat) for t in burst if t.seat is not None]
+    assert len(running) == 4
+    for _ in range(100):  # the seats turn over every 50 ms
+        if not running:
+            break
+        clock.advance(0.05)
+        for ticket, seat in running:
+            assert seat is not None
+            d.finish(ticket, seat)
+        running = [(t, t.seat) for t in burst if t.seat is not None and t.granted_at == clock.now()]
+    assert all(t.seat is not None for t in burst), "every ticket got a seat within its budget"
+    assert clock.now() - burst[-1].enqueued_at < 5.0
+
+
+async def test_retry_after_of_a_full_queue_uses_the_capacity_not_a_quiet_rate() -> None:
+    """After the same quiet minutes, a full tenant queue answers Retry-After from
+    the seats' turnover (one place frees in about 1/80 s), not from the two
+    requests a minute the tenant sent while quiet (about 30 s)."""
+    clock = FakeClock()
+    d, replicas = _two_replicas(clock, queue_capacity=10)
+    await _sparse_traffic(d, clock)
+    replicas[1].ejected = True
+    held = [enqueue(d, clock, "a") for _ in range(14)]  # 4 running, 10 queued
+    with pytest.raises(TenantQueueFull) as info:
+        enqueue(d, clock, "a")
+    assert info.value.retry_after_s is not None and info.value.retry_after_s < 0.1
+    d.close()
+    for t in held[4:]:
+        with pytest.raises(Exception, match="shutting down"):
+            await d.wait(t)
+    for t in held[:4]:
+        d.finish(t, await d.wait(t))
