@@ -79,12 +79,18 @@ class Dispatcher:
         scheduler: Scheduler,
         clock: Clock,
         limits: Mapping[str, TenantLimits],
+        *,
+        predictive_rejection: bool = True,
     ) -> None:
+        """``predictive_rejection=False`` never refuses on a predicted wait (a
+        benchmark's twin proxy, which shows what the refused requests would
+        have met); it is no config key."""
         self.pool = pool
         self.scheduler = scheduler
         self._clock = clock
         self._limits = dict(limits)
         self._inflight: dict[str, int] = {}
+        self._predictive_rejection = predictive_rejection
         self._seat_time = SeatTime()
         self._recent = RecentDispatches()
         self._usage = RecentUsage()
@@ -184,7 +190,7 @@ class Dispatcher:
                 f"tenant {tenant!r} has {depth} requests queued (capacity {limits.queue_capacity})",
                 retry_after_s=self._time_to_free_place(tenant, priority, now),
             )
-        estimate = self.predict_wait(tenant, priority, now)
+        estimate = self.predict_wait(tenant, priority, now) if self._predictive_rejection else None
         if estimate is not None and estimate > expires_at - now:
             raise PredictedWaitExceedsBudget(
                 f"expected wait {estimate * 1000:.0f} ms exceeds the queue budget of "

@@ -12,6 +12,7 @@ from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import (
     PredictedWaitExceedsBudget,
     QueueTimeout,
+    ShuttingDown,
     TenantConcurrency,
     TenantQueueFull,
 )
@@ -377,3 +378,26 @@ async def test_retry_after_of_a_full_queue_uses_the_capacity_not_a_quiet_rate() 
             await d.wait(t)
     for t in held[:4]:
         d.finish(t, await d.wait(t))
+
+
+async def test_a_twin_without_predictive_rejection_queues_what_would_be_refused() -> None:
+    """The benchmark's twin (predictive_rejection=False) queues the ticket that the
+    estimate refuses, so its fate can be compared with the refusal."""
+    clock = FakeClock()
+    replica = Replica(ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=1))
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
+    d = Dispatcher(
+        ReplicaPool([replica]), FairScheduler(WEIGHTS), clock, limits, predictive_rejection=False
+    )
+    await _warm(d, clock, 30, held_s=0.1)
+    holder = enqueue(d, clock, "a")
+    budgets = BudgetsConfig(queue_ms=1050, first_byte_ms=1000, total_ms=5000)
+    queued = [enqueue(d, clock, "a", budgets=budgets) for _ in range(11)]  # none refused
+    estimate = d.predict_wait("a", "standard", clock.now())
+    assert estimate is not None and estimate > 1.05
+    assert len(d.scheduler) == 11
+    d.close()
+    for t in queued:
+        with pytest.raises(ShuttingDown):
+            await d.wait(t)
+    d.finish(holder, await d.wait(holder))
