@@ -367,9 +367,10 @@ class Dispatcher:
         below their share, so a snapshot of the queues alone rated a flow far
         too fast whenever the others' queues happened to be empty. The queue
         as a whole drains at the capacity less everything the others take.
-        Neither falls below half the fair share: the others' recent rate
-        overstates what they take from a flow that competes with them. A
-        tenant with a concurrency cap drains no faster than its cap turns over.
+        Neither falls below the flow's share if every recently active tenant
+        were backlogged too (each counted as one more flow of its weight):
+        that much fair queuing guarantees it. A tenant with a concurrency cap
+        drains no faster than its cap turns over.
         """
         capacity = self._capacity(now)
         if capacity is None:
@@ -377,7 +378,10 @@ class Dispatcher:
         share = self.scheduler.share_of(tenant, priority)
         others = self._recent.others_per_second(tenant, now)
         idle_take = max(0.0, others - (1.0 - share) * capacity)
-        floor = share * capacity / 2
+        returning = sum(
+            1 for t in self._recent.active(now) if t != tenant and not self.scheduler.depth(t)
+        )
+        floor = capacity / (1.0 / share + returning)
         flow = max(min(share * capacity, capacity - idle_take), floor)
         cap = self.limits_for(tenant).max_concurrency
         mean = self._seat_time.mean_s

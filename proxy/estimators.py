@@ -32,6 +32,8 @@ SEAT_TIME_WINDOW = 64
 STRAGGLER_FACTOR = 4.0
 #: Time constant of the recent dispatch rates: a few seconds of seat turnover.
 RECENT_TAU_S = 2.0
+#: A tenant whose decayed dispatch count is at least this is recently active.
+ACTIVE_COUNT = 0.5
 #: Output tokens assumed for a request with no limit, before its tenant has history.
 DEFAULT_OUTPUT_TOKENS = 256
 #: The output estimate of a request with no limit is capped here.
@@ -127,6 +129,10 @@ class RecentDispatches:
         counter = self._tenants.get(tenant)
         own = counter.read(now) if counter is not None else 0.0
         return max(0.0, self._fleet.read(now) - own) / RECENT_TAU_S
+
+    def active(self, now: float) -> list[str]:
+        """Tenants with about one dispatch or more in the last ``RECENT_TAU_S``. O(tenants)."""
+        return [t for t, c in self._tenants.items() if c.read(now) >= ACTIVE_COUNT]
 
     def forget_idle(self, now: float, below: float = 1e-3) -> None:
         """Drop tenants whose counters decayed to nothing (bounded memory)."""
