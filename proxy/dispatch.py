@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -92,6 +93,8 @@ class Dispatcher:
         self._inflight: dict[str, int] = {}
         self._predictive_rejection = predictive_rejection
         self._seat_time = SeatTime()
+        #: When each running request got its seat, and where (for the release times).
+        self._running: dict[int, tuple[float, Replica]] = {}
         self._recent = RecentDispatches()
         self._usage = RecentUsage()
         self._grants = 0
@@ -266,6 +269,7 @@ class Dispatcher:
         """The request ended: free the tenant place now and the seat (maybe after grace)."""
         if ticket.granted_at is not None and seat is not None and seat_grace_s == 0:
             self._seat_time.record(self._clock.now() - ticket.granted_at)
+        self._running.pop(ticket.id, None)
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
@@ -285,6 +289,7 @@ class Dispatcher:
         """
         if ticket.granted_at is not None:
             self._seat_time.record(self._clock.now() - ticket.granted_at)
+        self._running.pop(ticket.id, None)
         seat.release()
 
     def close(self) -> None:
@@ -390,17 +395,47 @@ class Dispatcher:
         return flow, max(capacity - others, floor)
 
     def _estimate_wait(self, tenant: str, priority: str, now: float) -> float | None:
-        """Time until a new ticket of this flow gets a seat: its place in its flow
-        over the flow's rate, or everything queued now over the queue's rate
-        when that is sooner (unless its own cap holds it back)."""
+        """Time until a new ticket of this flow gets a seat.
+
+        It gets one when the seats have freed as many times as the work ahead
+        of it takes: its place in its flow scaled by the flow's share, or
+        everything queued now scaled by the queue's, whichever is sooner
+        (unless its own cap holds it back: then its own seats turn over).
+        """
         rates = self._drain_rates(tenant, priority, now)
         if rates is None:
             return None
         flow, whole = rates
-        wait = (self.scheduler.depth_by_class(tenant, priority) + 1) / flow
-        if not self._at_cap(tenant):
-            wait = min(wait, (len(self.scheduler) + 1) / whole)
-        return wait
+        own = self.scheduler.depth_by_class(tenant, priority) + 1
+        if self._at_cap(tenant):
+            return own / flow
+        capacity = self._capacity(now)
+        assert capacity is not None  # known whenever the rates are
+        releases = min(own * capacity / flow, (len(self.scheduler) + 1) * capacity / whole)
+        return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now)
+
+    def _time_to_release(self, n: int, now: float) -> float:
+        """When the serving seats will have freed ``n`` times, from what they run now.
+
+        Each busy seat frees when its request has held it the mean seat time
+        (at once if it is past that), then every mean seat time; a free seat
+        counts as freeing now. Seats that started together free together, so
+        this is a staircase, not ``n`` over the capacity: near the budget the
+        difference decides.
+        """
+        mean = self._seat_time.mean_s
+        seats = sum(r.limit for r in self.pool.replicas if r.serving)
+        if not mean or not seats:
+            return 0.0
+        due = sorted(
+            max(0.0, mean - (now - granted_at))
+            for granted_at, replica in self._running.values()
+            if replica.serving
+        )[:seats]
+        due.extend([0.0] * (seats - len(due)))
+        due.sort()
+        rounds, index = divmod(n - 1, seats)
+        return due[index] + rounds * mean
 
     def predict_wait(self, tenant: str, priority: str, now: float) -> float | None:
         """Expected queue wait of a new ticket under the fair-share rule; None: no data.
@@ -454,6 +489,7 @@ class Dispatcher:
             ticket.timer.cancel()
         ticket.granted_at = now
         ticket.seat = seat
+        self._running[ticket.id] = (now, seat.replica)
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)
