@@ -29,9 +29,25 @@ def own_cpu() -> float:
     return times.user + times.system
 
 
+def cpu_info() -> dict[str, str]:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``; empty elsewhere)."""
+    found: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return {"cpu_model": platform.processor(), "cpu_flags": ""}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags") and key not in found:
+            found[key] = value.strip()
+    return {"cpu_model": found.get("model name", ""), "cpu_flags": found.get("flags", "")}
+
+
 def machine(note: str) -> dict[str, Any]:
     """The machine and library versions a result was measured with."""
     return {
+        **cpu_info(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -440,8 +440,9 @@ def _replay(
             except PredictedWaitExceedsBudget:
                 outcome[i] = "refused"
                 continue
-            if tickets[i].timer is not None:
-                tickets[i].timer.cancel()  # expiry runs on the fake clock, below
+            timer = tickets[i].timer
+            if timer is not None:
+                timer.cancel()  # expiry runs on the fake clock, below
             heapq.heappush(events, (tickets[i].expires_at, order, "expire", i))
         elif kind == "expire" and outcome[i] == "queued" and tickets[i].seat is None:
             d._expire(tickets[i])
