@@ -346,16 +346,15 @@ class Dispatcher:
         """Dispatches per second the serving seats sustain: seats over the mean seat time.
 
         What the fleet *can* serve now, whatever it was asked lately: the seats
-        of replicas serving now (a lost replica's seats are gone at once), and
-        a seat time that a quiet period does not change. When the recent
-        dispatch rate is higher (the seat-time window still holds slower
-        requests), that rate is the better figure.
+        of replicas serving now (a lost replica's seats are gone at once; the
+        rate dispatched before the loss is not), and a seat time that a quiet
+        period does not change.
         """
         seats = sum(r.limit for r in self.pool.replicas if r.serving)
         mean = self._seat_time.mean_s
         if not seats or not mean:
             return None
-        return max(seats / mean, self._recent.per_second(now))
+        return seats / mean
 
     def _drain_rates(self, tenant: str, priority: str, now: float) -> tuple[float, float] | None:
         """Dispatches per second for this flow, and for the queue as a whole; None: no data.

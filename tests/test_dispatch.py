@@ -457,6 +457,7 @@ def _replay(
                 outcome[j] = "served"
                 heapq.heappush(events, (clock.now() + arrivals[j][2], order, "done", j))
             elif ticket.future is not None and ticket.future.done():
+                assert isinstance(ticket.future.exception(), QueueTimeout)
                 outcome[j] = "timed_out"
         order += 1
     return outcome
@@ -479,3 +480,30 @@ async def test_a_replica_lost_under_load_refuses_only_what_could_not_be_served()
     assert len(refused) > 0.1 * len(arrivals)  # the overload is real
     assert [i for i in refused if twin[i] == "served"] == []
     assert normal.count("timed_out") == 0
+
+
+async def test_a_flow_keeps_its_share_when_busy_neighbours_are_momentarily_not_queued() -> None:
+    """Three tenants at 56 per second together on 8 seats of 100 ms, then a replica is
+    lost (about 40 per second left): with its neighbours' queues empty at this
+    instant, a's queue drains at its fair third, neither at what their pre-loss
+    rates would leave it (a fifth) nor at half of everything."""
+    clock = FakeClock()
+    d, replicas = _two_replicas(clock)
+    d.set_limits({t: TenantLimits(max_concurrency=None, queue_capacity=100) for t in "abc"})
+    running: list[tuple[Ticket, float]] = []
+    for step in range(224):  # 4 s, one arrival every 1/56 s, tenants in turn
+        clock.advance(1 / 56)
+        for ticket, ends in [r for r in running if r[1] <= clock.now()]:
+            running.remove((ticket, ends))
+            d.finish(ticket, ticket.seat)
+        ticket = enqueue(d, clock, "abc"[step % 3])
+        assert ticket.seat is not None  # under capacity: every one starts at once
+        running.append((ticket, clock.now() + 0.1))
+    replicas[1].ejected = True
+    rates = d._drain_rates("a", "standard", clock.now())
+    assert rates is not None
+    mean = d._seat_time.mean_s  # a seat frees at the first step after 100 ms
+    assert mean is not None and 0.1 <= mean < 0.12
+    assert rates[0] == pytest.approx(4 / mean / 3, rel=0.01)
+    for ticket, _ in running:
+        d.finish(ticket, ticket.seat)
