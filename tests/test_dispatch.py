@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import heapq
 import random
 
 import pytest
 
+from bench.false_refusals import Arrival, Scenario
+from bench.false_refusals_virtual import replay
 from proxy.clock import FakeClock
 from proxy.deadline import Deadline
 from proxy.dispatch import Dispatcher, TenantLimits
@@ -405,77 +406,22 @@ async def test_a_twin_without_predictive_rejection_queues_what_would_be_refused(
     d.finish(holder, await d.wait(holder))
 
 
-def _replay(
-    arrivals: list[tuple[float, str, float]], *, predictive: bool, lose_replica_at: float
-) -> list[str]:
-    """Arrivals (time, tenant, seat time) through a dispatcher on a fake clock, two
-    replicas of 4 seats, queue_ms 1000; one replica is lost at ``lose_replica_at``.
-    Each request ends ``served``, ``refused`` or ``timed_out``."""
-    clock = FakeClock(0.0)
-    replicas = [
-        Replica(ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{i + 1}", max_concurrency=4))
-        for i in range(2)
-    ]
-    tenants = {t for _, t, _ in arrivals}
-    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=10_000) for t in tenants}
-    d = Dispatcher(
-        ReplicaPool(replicas, rng=random.Random(0)), FairScheduler(WEIGHTS), clock, limits,
-        predictive_rejection=predictive,
-    )  # fmt: skip
-    budgets = BudgetsConfig(queue_ms=1000, first_byte_ms=1000, total_ms=30000)
-    events: list[tuple[float, int, str, int]] = [
-        (t, i, "arrive", i) for i, (t, _, _) in enumerate(arrivals)
-    ]
-    events.append((lose_replica_at, -1, "lose", -1))
-    heapq.heapify(events)
-    outcome = ["queued"] * len(arrivals)
-    tickets: dict[int, Ticket] = {}
-    order = len(arrivals)
-    while events:
-        at, _, kind, i = heapq.heappop(events)
-        clock.advance(max(0.0, at - clock.now()))
-        if kind == "arrive":
-            try:
-                tickets[i] = enqueue(d, clock, arrivals[i][1], budgets=budgets)
-            except PredictedWaitExceedsBudget:
-                outcome[i] = "refused"
-                continue
-            timer = tickets[i].timer
-            if timer is not None:
-                timer.cancel()  # expiry runs on the fake clock, below
-            heapq.heappush(events, (tickets[i].expires_at, order, "expire", i))
-        elif kind == "expire" and outcome[i] == "queued" and tickets[i].seat is None:
-            d._expire(tickets[i])
-        elif kind == "done":
-            d.finish(tickets[i], tickets[i].seat)
-        elif kind == "lose":
-            replicas[1].ejected = True
-        for j, ticket in list(tickets.items()):
-            if outcome[j] != "queued":
-                continue
-            if ticket.seat is not None:
-                outcome[j] = "served"
-                heapq.heappush(events, (clock.now() + arrivals[j][2], order, "done", j))
-            elif ticket.future is not None and ticket.future.done():
-                assert isinstance(ticket.future.exception(), QueueTimeout)
-                outcome[j] = "timed_out"
-        order += 1
-    return outcome
-
-
 async def test_a_replica_lost_under_load_refuses_only_what_could_not_be_served() -> None:
-    """0.7x of two replicas, 1.4x of the one left after a loss (100 ms requests):
-    every request refused on a predicted wait is one that a twin proxy without
-    prediction could not serve within its budget either, and nothing admitted
-    times out. The seats that started together free together: the estimate
-    follows that staircase, where n over the capacity refused a few that fit."""
+    """The false-refusal benchmark's replay on a fake clock, at a tiny scale: 0.7x of
+    two replicas, 1.4x of the one left after a loss (100 ms requests). Every
+    request refused on a predicted wait is one that the twin without prediction
+    could not serve within its budget either, and nothing admitted times out.
+    Seats that started together free together: the estimate follows that
+    staircase (n over the capacity refused a few that fit)."""
     rng = random.Random("replica-loss")
     arrivals, at = [], 0.0
     while at < 10.0:
         at += rng.expovariate(56.0)
-        arrivals.append((at, "a", 0.1))
-    normal = _replay(arrivals, predictive=True, lose_replica_at=2.5)
-    twin = _replay(arrivals, predictive=False, lose_replica_at=2.5)
+        arrivals.append(Arrival(at, 0, 10))
+    scenario = Scenario("replica_loss", "", tuple(arrivals), queue_ms=1000, tenants=1,
+                        kill_at_s=2.5)  # fmt: skip
+    normal = replay(scenario, token_s=0.01)
+    twin = replay(scenario, token_s=0.01, predictive=False)
     refused = [i for i, o in enumerate(normal) if o == "refused"]
     assert len(refused) > 0.1 * len(arrivals)  # the overload is real
     assert [i for i in refused if twin[i] == "served"] == []
