@@ -13,7 +13,7 @@ Each run is its own process so that ``today`` imports the old revision's
 ``proxy`` package (``PYTHONPATH``); it prints one JSON object, the outcome of
 every arrival (``served``, ``refused``, ``timed_out`` or ``failed``):
 
-    python -m bench.false_refusals_virtual --scenario replica_loss --seat-s 0.11
+    python -m bench.false_refusals_virtual --scenario replica_loss --seat-s 0.1 --seeds 5
 """
 
 from __future__ import annotations
@@ -115,8 +115,12 @@ def replay(
 
 
 async def _main(args: argparse.Namespace) -> list[str]:
-    chosen = [s for s in scenarios(args.quick, args.seed, args.seat_s) if s.name == args.scenario]
-    return replay(chosen[0], token_s=args.seat_s / 10, predictive=not args.twin)
+    """Outcomes of ``--seeds`` runs of the scenario, one seed after another, concatenated."""
+    outcomes: list[str] = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        chosen = [s for s in scenarios(args.quick, seed, args.seat_s) if s.name == args.scenario]
+        outcomes += replay(chosen[0], token_s=args.seat_s / 10, predictive=not args.twin)
+    return outcomes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seat-s", type=float, required=True, help="seat time of 10 tokens")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=1, help="runs, seeds from --seed on")
     parser.add_argument("--twin", action="store_true", help="predictive rejection off")
     args = parser.parse_args(argv)
     outcomes = asyncio.run(_main(args))
