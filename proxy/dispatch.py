@@ -411,6 +411,8 @@ class Dispatcher:
         capacity = self._capacity(now)
         assert capacity is not None  # known whenever the rates are
         releases = min(own * capacity / flow, (len(self.scheduler) + 1) * capacity / whole)
+        # Retries waiting for a seat take one ahead of every queued ticket.
+        releases += len(self._reseating)
         return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now)
 
     def _time_to_release(self, n: int, now: float) -> float:

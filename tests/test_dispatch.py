@@ -453,3 +453,21 @@ async def test_a_flow_keeps_its_share_when_busy_neighbours_are_momentarily_not_q
     assert rates[0] == pytest.approx(4 / mean / 3, rel=0.01)
     for ticket, _ in running:
         d.finish(ticket, ticket.seat)
+
+
+async def test_retries_waiting_for_a_seat_count_in_the_wait_estimate() -> None:
+    """A retry waiting for a seat takes it ahead of every queued ticket: the estimate
+    of a new ticket grows by one seat turnover per waiting retry."""
+    clock = FakeClock()
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
+    d = make_dispatcher(clock, limits=limits)
+    await _warm(d, clock, 30, held_s=0.1)
+    holder = enqueue(d, clock, "a")
+    seat = await d.wait(holder)
+    before = d.predict_wait("a", "standard", clock.now())
+    retry = asyncio.ensure_future(d.reseat(frozenset(), timeout_s=5.0))
+    await asyncio.sleep(0)  # the retry registers as a waiter
+    after = d.predict_wait("a", "standard", clock.now())
+    assert before == pytest.approx(0.1) and after == pytest.approx(0.2)
+    d.finish(holder, seat)
+    (await retry).release()
