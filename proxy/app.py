@@ -74,6 +74,7 @@ def build_runtime(
     seed: int | None = None,
     access_log: bool | TextIO = True,
     tracer_provider: TracerProvider | None = None,
+    predictive_rejection: bool = True,
 ) -> Runtime:
     clock = clock or MonotonicClock()
     rules = Rules.from_config(config)
@@ -91,7 +92,9 @@ def build_runtime(
         {n: p.weight for n, p in config.priorities.items()},
         {n: t.weight for n, t in config.tenants.items()},
     )
-    dispatcher = Dispatcher(pool, scheduler, clock, rules.tenant_limits())
+    dispatcher = Dispatcher(
+        pool, scheduler, clock, rules.tenant_limits(), predictive_rejection=predictive_rejection
+    )
     quotas = EntranceQuotas(clock)
     quotas.configure(rules.rate_limits())
     telemetry = Telemetry(
@@ -119,6 +122,7 @@ def build_app(
     gpu: GpuProbe | None = None,
     tracer_provider: TracerProvider | None = None,
     config_path: str | None = None,
+    predictive_rejection: bool = True,
 ) -> web.Application:
     """The proxy as an aiohttp application (not yet started).
 
@@ -128,10 +132,18 @@ def build_app(
     ``tracer_provider``: spans go there (tests pass one with an in-memory
     exporter); by default the provider the ``OTEL_*`` variables describe, or
     none at all.
+
+    ``predictive_rejection=False``: never refuse on a predicted wait (the
+    false-refusal benchmark's twin); deliberately not a config key.
     """
     provider = tracer_provider if tracer_provider is not None else provider_from_env()
     runtime = build_runtime(
-        config, clock=clock, seed=seed, access_log=access_log, tracer_provider=provider
+        config,
+        clock=clock,
+        seed=seed,
+        access_log=access_log,
+        tracer_provider=provider,
+        predictive_rejection=predictive_rejection,
     )
     probe: GpuProbe = gpu if gpu is not None else NvmlProbe()
     # The entrance enforces max_body_bytes itself, with the contract's 413 answer.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,23 +32,20 @@ from proxy.errors import (
     TenantConcurrency,
     TenantQueueFull,
 )
+from proxy.estimators import RecentDispatches, SeatTime
 from proxy.queues import Ticket
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler
 from proxy.usage import RecentUsage
 
-#: Dispatch times kept per tenant to estimate its drain rate (Retry-After).
-RATE_WINDOW = 64
-#: Fallback when a tenant has no dispatch history yet.
+#: Retry-After when nothing is known yet about seat times.
 DEFAULT_FREE_PLACE_S = 1.0
-#: The wait estimator fails open until it has seen this many dispatches, so a
-#: cold proxy never refuses on no data.
+#: The wait estimator fails open until it has seen this many dispatches end
+#: (their seat times), so a cold proxy never refuses on no data.
 MIN_DISPATCHES_TO_PREDICT = 20
 #: How long a retry waits for a seat on another replica before taking one on the
 #: replica that just failed it.
 RESEAT_PREFERENCE_S = 1.0
-#: Smoothing of the mean seat-holding time (exponentially weighted).
-SERVICE_TIME_ALPHA = 0.1
 #: Grants between sweeps of tenants whose recent usage decayed to nothing.
 USAGE_SWEEP_EVERY = 4096
 
@@ -59,28 +56,6 @@ class TenantLimits:
 
     max_concurrency: int | None
     queue_capacity: int
-
-
-class DispatchRate:
-    """Recent dispatches per second, from a sliding window of timestamps."""
-
-    __slots__ = ("_times",)
-
-    def __init__(self) -> None:
-        self._times: deque[float] = deque(maxlen=RATE_WINDOW)
-
-    def record(self, now: float) -> None:
-        self._times.append(now)
-
-    def per_second(self, now: float) -> float | None:
-        """None until two dispatches were seen; decays while nothing dispatches."""
-        if len(self._times) < 2:
-            return None
-        span = now - self._times[0]
-        return (len(self._times) - 1) / span if span > 0 else None
-
-    def __len__(self) -> int:
-        return len(self._times)
 
 
 class _Reseat:
@@ -96,23 +71,6 @@ class _Reseat:
         self.strict = strict
 
 
-class ServiceTime:
-    """Exponentially weighted mean of how long a request holds its seat."""
-
-    __slots__ = ("mean_s", "samples")
-
-    def __init__(self) -> None:
-        self.mean_s: float | None = None
-        self.samples = 0
-
-    def record(self, held_s: float) -> None:
-        self.samples += 1
-        if self.mean_s is None:
-            self.mean_s = held_s
-        else:
-            self.mean_s += SERVICE_TIME_ALPHA * (held_s - self.mean_s)
-
-
 class Dispatcher:
     """Admits tickets to seats, in the order the scheduler chooses."""
 
@@ -122,15 +80,22 @@ class Dispatcher:
         scheduler: Scheduler,
         clock: Clock,
         limits: Mapping[str, TenantLimits],
+        *,
+        predictive_rejection: bool = True,
     ) -> None:
+        """``predictive_rejection=False`` never refuses on a predicted wait (a
+        benchmark's twin proxy, which shows what the refused requests would
+        have met); it is no config key."""
         self.pool = pool
         self.scheduler = scheduler
         self._clock = clock
         self._limits = dict(limits)
         self._inflight: dict[str, int] = {}
-        self._rates: dict[str, DispatchRate] = {}
-        self._fleet_rate = DispatchRate()
-        self._service = ServiceTime()
+        self._predictive_rejection = predictive_rejection
+        self._seat_time = SeatTime()
+        #: When each running request got its seat, and where (for the release times).
+        self._running: dict[int, tuple[float, Replica]] = {}
+        self._recent = RecentDispatches()
         self._usage = RecentUsage()
         self._grants = 0
         self._headroom_grants: dict[str, int] = {}
@@ -228,7 +193,7 @@ class Dispatcher:
                 f"tenant {tenant!r} has {depth} requests queued (capacity {limits.queue_capacity})",
                 retry_after_s=self._time_to_free_place(tenant, priority, now),
             )
-        estimate = self.predict_wait(tenant, priority, now)
+        estimate = self.predict_wait(tenant, priority, now) if self._predictive_rejection else None
         if estimate is not None and estimate > expires_at - now:
             raise PredictedWaitExceedsBudget(
                 f"expected wait {estimate * 1000:.0f} ms exceeds the queue budget of "
@@ -303,7 +268,8 @@ class Dispatcher:
     ) -> None:
         """The request ended: free the tenant place now and the seat (maybe after grace)."""
         if ticket.granted_at is not None and seat is not None and seat_grace_s == 0:
-            self._service.record(self._clock.now() - ticket.granted_at)
+            self._seat_time.record(self._clock.now() - ticket.granted_at)
+        self._running.pop(ticket.id, None)
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
@@ -322,7 +288,8 @@ class Dispatcher:
         time recorded here is the replica's, not the client's reading time.
         """
         if ticket.granted_at is not None:
-            self._service.record(self._clock.now() - ticket.granted_at)
+            self._seat_time.record(self._clock.now() - ticket.granted_at)
+        self._running.pop(ticket.id, None)
         seat.release()
 
     def close(self) -> None:
@@ -364,67 +331,122 @@ class Dispatcher:
     def _time_to_free_place(self, tenant: str, priority: str, now: float) -> float:
         """Expected time until the tenant's queue moves by one (Retry-After of 429s).
 
-        From the tenant's own recent dispatch rate; without history, from its
-        fair share of the fleet's drain rate; only a cold proxy says 1 s.
+        One over the rate its flow drains at now (``_drain_rates``); only a
+        proxy that has seen no seat time yet says ``DEFAULT_FREE_PLACE_S``.
         """
-        rate = self._rates.get(tenant)
-        per_s = rate.per_second(now) if rate is not None else None
-        if not per_s:
-            drain = self._drain_rate(now)
-            if drain:
-                per_s = drain * self.scheduler.share_of(tenant, priority)
-        return 1.0 / per_s if per_s else DEFAULT_FREE_PLACE_S
+        rates = self._drain_rates(tenant, priority, now)
+        return 1.0 / rates[0] if rates else DEFAULT_FREE_PLACE_S
 
-    def _wait_estimate(self, now: float) -> float:
-        """Time for the whole queue ahead to drain (Retry-After of queue_timeout)."""
-        per_s = self._drain_rate(now)
-        if not per_s:
-            return DEFAULT_FREE_PLACE_S
-        return (len(self.scheduler) + 1) / per_s
+    def _wait_estimate(self, tenant: str, priority: str, now: float) -> float:
+        """The wait a new ticket of this flow expects now (Retry-After of queue_timeout)."""
+        estimate = self._estimate_wait(tenant, priority, now)
+        return DEFAULT_FREE_PLACE_S if estimate is None else estimate
 
-    def _drain_rate(self, now: float) -> float | None:
-        """Dispatches per second the fleet sustains: seats over mean seat time.
+    def _capacity(self, now: float) -> float | None:
+        """Dispatches per second the serving seats sustain: seats over the mean seat time.
 
-        The observed dispatch rate only equals capacity while saturated; at
-        the start of a burst it still reflects the quiet period before, so the
-        larger of the two is used.
+        What the fleet *can* serve now, whatever it was asked lately: the seats
+        of replicas serving now (a lost replica's seats are gone at once; the
+        rate dispatched before the loss is not), and a seat time that a quiet
+        period does not change.
         """
-        observed = self._fleet_rate.per_second(now)
         seats = sum(r.limit for r in self.pool.replicas if r.serving)
-        mean = self._service.mean_s
-        capacity = seats / mean if mean and seats else None
-        candidates = [r for r in (observed, capacity) if r]
-        return max(candidates) if candidates else None
+        mean = self._seat_time.mean_s
+        if not seats or not mean:
+            return None
+        return seats / mean
+
+    def _drain_rates(self, tenant: str, priority: str, now: float) -> tuple[float, float] | None:
+        """Dispatches per second for this flow, and for the queue as a whole; None: no data.
+
+        Both start from the capacity the seats give now (``_capacity``), never
+        from a rate measured over the tenant's own recent past: after a quiet
+        period that rate is a few requests a minute, and a burst that the
+        seats would serve in a second was refused.
+
+        The flow gets its fair share among the flows backlogged now (a lone
+        flow: all of it), less what other tenants, not queued at this
+        instant, have been taking over the last seconds beyond what the
+        backlogged ones are due: fair queuing lets them keep what they use
+        below their share, so a snapshot of the queues alone rated a flow far
+        too fast whenever the others' queues happened to be empty. The queue
+        as a whole drains at the capacity less everything the others take.
+        Neither falls below the flow's share if every recently active tenant
+        were backlogged too (each counted as one more flow of its weight):
+        that much fair queuing guarantees it. A tenant with a concurrency cap
+        drains no faster than its cap turns over.
+        """
+        capacity = self._capacity(now)
+        if capacity is None:
+            return None
+        share = self.scheduler.share_of(tenant, priority)
+        others = self._recent.others_per_second(tenant, now)
+        idle_take = max(0.0, others - (1.0 - share) * capacity)
+        returning = sum(
+            1 for t in self._recent.active(now) if t != tenant and not self.scheduler.depth(t)
+        )
+        floor = capacity / (1.0 / share + returning)
+        flow = max(min(share * capacity, capacity - idle_take), floor)
+        cap = self.limits_for(tenant).max_concurrency
+        mean = self._seat_time.mean_s
+        if cap and mean:
+            flow = min(flow, cap / mean)
+        return flow, max(capacity - others, floor)
+
+    def _estimate_wait(self, tenant: str, priority: str, now: float) -> float | None:
+        """Time until a new ticket of this flow gets a seat.
+
+        It gets one when the seats have freed as many times as the work ahead
+        of it takes: its place in its flow scaled by the flow's share, or
+        everything queued now scaled by the queue's, whichever is sooner
+        (unless its own cap holds it back: then its own seats turn over).
+        """
+        rates = self._drain_rates(tenant, priority, now)
+        if rates is None:
+            return None
+        flow, whole = rates
+        own = self.scheduler.depth_by_class(tenant, priority) + 1
+        if self._at_cap(tenant):
+            return own / flow
+        capacity = self._capacity(now)
+        assert capacity is not None  # known whenever the rates are
+        releases = min(own * capacity / flow, (len(self.scheduler) + 1) * capacity / whole)
+        # Retries waiting for a seat take one ahead of every queued ticket.
+        releases += len(self._reseating)
+        return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now)
+
+    def _time_to_release(self, n: int, now: float) -> float:
+        """When the serving seats will have freed ``n`` times, from what they run now.
+
+        Each busy seat frees when its request has held it the mean seat time
+        (at once if it is past that), then every mean seat time; a free seat
+        counts as freeing now. Seats that started together free together, so
+        this is a staircase, not ``n`` over the capacity: near the budget the
+        difference decides.
+        """
+        mean = self._seat_time.mean_s
+        seats = sum(r.limit for r in self.pool.replicas if r.serving)
+        if not mean or not seats:
+            return 0.0
+        due = sorted(
+            max(0.0, mean - (now - granted_at))
+            for granted_at, replica in self._running.values()
+            if replica.serving
+        )[:seats]
+        due.extend([0.0] * (seats - len(due)))
+        due.sort()
+        rounds, index = divmod(n - 1, seats)
+        return due[index] + rounds * mean
 
     def predict_wait(self, tenant: str, priority: str, now: float) -> float | None:
         """Expected queue wait of a new ticket under the fair-share rule; None: no data.
 
-        A tenant already waiting (or at its own cap) drains at the rate it has
-        actually been served recently: that rate already reflects its share
-        against every other flow, including their future arrivals, which a
-        snapshot of the queue cannot (an instantaneous share made backlogged
-        flows look twice as fast as they were, and a third of the tickets
-        admitted under overload then timed out in the queue). A tenant with
-        nothing queued waits for its next turn: its flow's share of the fleet's
-        drain rate, never more than everything queued now.
+        From the capacity the flow can get now (``_drain_rates``). Fails open
+        until ``MIN_DISPATCHES_TO_PREDICT`` seat times are known.
         """
-        if len(self._fleet_rate) < MIN_DISPATCHES_TO_PREDICT:
+        if self._seat_time.count < MIN_DISPATCHES_TO_PREDICT:
             return None
-        depth = self.scheduler.depth(tenant)
-        if depth or self._at_cap(tenant):
-            rate = self._rates.get(tenant)
-            per_s = rate.per_second(now) if rate is not None else None
-            if per_s:
-                return (depth + 1) / per_s
-            if self._at_cap(tenant):
-                return None
-        per_s = self._drain_rate(now)
-        if not per_s:
-            return None
-        own = self.scheduler.depth_by_class(tenant, priority) + 1
-        share = self.scheduler.share_of(tenant, priority)
-        ahead = min(len(self.scheduler) + 1, own / share)
-        return ahead / per_s
+        return self._estimate_wait(tenant, priority, now)
 
     def pump(self) -> None:
         """Re-run dispatch after a replica became available (undrain, health)."""
@@ -468,18 +490,16 @@ class Dispatcher:
             ticket.timer.cancel()
         ticket.granted_at = now
         ticket.seat = seat
+        self._running[ticket.id] = (now, seat.replica)
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)
-        rate = self._rates.get(ticket.tenant)
-        if rate is None:
-            rate = self._rates[ticket.tenant] = DispatchRate()
-        rate.record(now)
-        self._fleet_rate.record(now)
+        self._recent.record(ticket.tenant, now)
         self._usage.record(ticket.tenant, ticket.cost, now)
         self._grants += 1
         if self._grants % USAGE_SWEEP_EVERY == 0:
             self._usage.forget_idle(now)
+            self._recent.forget_idle(now)
         if ticket.future is not None:
             ticket.future.set_result(seat)
 
@@ -499,7 +519,7 @@ class Dispatcher:
         waited_ms = (now - ticket.enqueued_at) * 1000.0
         return QueueTimeout(
             f"waited {waited_ms:.0f} ms in the queue without a free seat",
-            retry_after_s=self._wait_estimate(now),
+            retry_after_s=self._wait_estimate(ticket.tenant, ticket.priority, now),
         )
 
     def _expire(self, ticket: Ticket) -> None:

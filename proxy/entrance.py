@@ -47,6 +47,7 @@ from proxy.errors import (
     ShuttingDown,
     Unauthenticated,
 )
+from proxy.estimators import DEFAULT_OUTPUT_TOKENS
 from proxy.forward import forward
 from proxy.keys import RUNTIME
 from proxy.paths import forwardable, normalise_path
@@ -62,8 +63,6 @@ INFERENCE_PATHS = frozenset(
 )
 #: Routes that do no GPU work: authenticated, but no queue and no seat.
 SEATLESS_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
-#: Output tokens assumed when a request names no limit and the tenant has no history.
-DEFAULT_OUTPUT_TOKENS = 256
 #: Estimated cost is capped so one request cannot claim the whole fair share.
 MAX_ESTIMATED_COST = 4096
 MAX_REQUEST_ID_LEN = 128
@@ -217,7 +216,7 @@ async def _admit(
         streaming=streaming,
         seatless=seatless,
         inference=inference,
-        cost=estimate_cost(body, doc),
+        cost=estimate_cost(body, doc, runtime.output_tokens.expected(tenant)),
         path_qs=path + "?" + query if (query := request.rel_url.raw_query_string) else path,
     )
 
@@ -338,8 +337,12 @@ def json_too_deep(body: bytes, limit: int) -> bool:
     return False
 
 
-def estimate_cost(body: bytes, doc: Any) -> float:
-    """Prompt tokens (bytes / 4) plus the output limit, capped (docs/REFERENCE.md)."""
+def estimate_cost(body: bytes, doc: Any, expected_output: float = DEFAULT_OUTPUT_TOKENS) -> float:
+    """Prompt tokens (bytes / 4) plus the output limit, capped (docs/REFERENCE.md).
+
+    A request that names no limit is charged ``expected_output``: its tenant's
+    recent mean output (``OutputTokens``), corrected when it ends.
+    """
     output: Any = None
     if isinstance(doc, dict):
         output = doc.get("max_tokens") or doc.get("max_completion_tokens")
@@ -347,5 +350,5 @@ def estimate_cost(body: bytes, doc: Any) -> float:
         if output is None and isinstance(params, dict):
             output = params.get("max_new_tokens")
     if not isinstance(output, int) or output <= 0:
-        output = DEFAULT_OUTPUT_TOKENS
+        output = expected_output
     return float(min(MAX_ESTIMATED_COST, len(body) // BYTES_PER_TOKEN + output))

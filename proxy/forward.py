@@ -110,6 +110,7 @@ async def forward(
     finally:
         actual = None
         if record.output_tokens is not None:
+            runtime.output_tokens.record(admitted.tenant, record.output_tokens)
             # An engine that reports no prompt count (vLLM streams without
             # include_usage) keeps the prompt's estimate, not a refund of it.
             prompt = record.input_tokens

@@ -18,6 +18,7 @@ import aiohttp
 
 from proxy.clock import Clock
 from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.estimators import OutputTokens
 from proxy.health import Health
 from proxy.quotas import EntranceQuotas
 from proxy.replicas import ReplicaPool
@@ -82,6 +83,8 @@ class Runtime:
     #: Requests inside the handler right now (graceful shutdown waits for them).
     active: set[object] = field(default_factory=set)
     _idle: asyncio.Event | None = None
+    #: Each tenant's recent mean output tokens: the cost of a request with no limit.
+    output_tokens: OutputTokens = field(default_factory=OutputTokens)
 
     def enter(self, request: object) -> None:
         self.active.add(request)

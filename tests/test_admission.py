@@ -340,3 +340,38 @@ async def test_a_dropped_connection_is_not_resent_on_other_routes(
     assert upstream_state.stale_hits == 2 and listing.status == 200
     await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
     proxy.assert_idle()
+
+
+async def test_cost_without_max_tokens_is_the_tenants_recent_mean_output(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """A request naming no output limit is charged its tenant's mean output so far
+    (40 tokens after answers of 40), not a constant; a tenant with no history
+    yet is charged 256, and an explicit max_tokens is charged as asked."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    dispatcher = proxy.runtime.dispatcher
+    charged: list[tuple[str, float]] = []
+    enqueue = dispatcher.enqueue
+
+    def spy(tenant: str, priority: str, cost: float, deadline: Any) -> Any:
+        charged.append((tenant, cost))
+        return enqueue(tenant, priority, cost, deadline)
+
+    dispatcher.enqueue = spy  # type: ignore[method-assign]
+    for _ in range(3):
+        resp = await proxy.client.post(CHAT, json={"max_tokens": 40}, headers=AUTH)
+        assert resp.status == 200
+        await resp.read()
+    no_limit = json.dumps({"messages": []}).encode()
+    prompt = len(no_limit) // 4
+    for key in (KEY_A, KEY_B):
+        resp = await proxy.client.post(
+            CHAT,
+            data=no_limit,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        assert resp.status == 200
+        await resp.read()
+    explicit = len(json.dumps({"max_tokens": 40}).encode()) // 4 + 40
+    assert charged == [("a", explicit)] * 3 + [("a", prompt + 40.0), ("b", prompt + 256.0)]
+    proxy.assert_idle()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
+from bench.false_refusals import Arrival, Scenario
+from bench.false_refusals_virtual import replay
 from proxy.clock import FakeClock
 from proxy.deadline import Deadline
 from proxy.dispatch import Dispatcher, TenantLimits
@@ -312,3 +315,159 @@ async def test_seat_released_when_the_replica_is_done_goes_to_the_next_ticket() 
     assert d.inflight("a") == 0
     d.finish(waiting, await d.wait(waiting))
     assert d.pool.total_inflight() == 0 and d.total_inflight() == 0
+
+
+def _two_replicas(clock: FakeClock, queue_capacity: int = 200) -> tuple[Dispatcher, list[Replica]]:
+    replicas = [
+        Replica(ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{i + 1}", max_concurrency=4))
+        for i in range(2)
+    ]
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=queue_capacity)}
+    return Dispatcher(ReplicaPool(replicas), FairScheduler(WEIGHTS), clock, limits), replicas
+
+
+async def _sparse_traffic(d: Dispatcher, clock: FakeClock) -> None:
+    """Three minutes, one request every 5 s: 50 ms each, but three slow (2 s) and two
+    that failed at once (a connect error holds its seat a millisecond)."""
+    for i in range(36):
+        clock.advance(5.0)
+        ticket = enqueue(d, clock, "a")
+        seat = await d.wait(ticket)
+        clock.advance(2.0 if i in (5, 17, 33) else 0.001 if i in (9, 30) else 0.05)
+        d.finish(ticket, seat)
+
+
+async def test_a_burst_after_a_quiet_period_and_a_replica_loss_is_not_refused() -> None:
+    """Sparse traffic for minutes, one of two replicas lost, then 100 requests at once:
+    the 4 seats left at 50 ms serve them in about 1.25 s, well inside a 5 s queue
+    budget, so none is refused and every one gets its seat in time."""
+    clock = FakeClock()
+    d, replicas = _two_replicas(clock)
+    await _sparse_traffic(d, clock)
+    replicas[1].ejected = True
+    budgets = BudgetsConfig(queue_ms=5000, first_byte_ms=1000, total_ms=30000)
+    burst = [enqueue(d, clock, "a", budgets=budgets) for _ in range(100)]  # none refused
+    estimate = d.predict_wait("a", "standard", clock.now())
+    assert estimate is not None and estimate < 2.0  # 97 ahead at about 80 per second
+    running = [(t, t.seat) for t in burst if t.seat is not None]
+    assert len(running) == 4
+    for _ in range(100):  # the seats turn over every 50 ms
+        if not running:
+            break
+        clock.advance(0.05)
+        for ticket, seat in running:
+            assert seat is not None
+            d.finish(ticket, seat)
+        running = [(t, t.seat) for t in burst if t.seat is not None and t.granted_at == clock.now()]
+    assert all(t.seat is not None for t in burst), "every ticket got a seat within its budget"
+    assert clock.now() - burst[-1].enqueued_at < 5.0
+
+
+async def test_retry_after_of_a_full_queue_uses_the_capacity_not_a_quiet_rate() -> None:
+    """After the same quiet minutes, a full tenant queue answers Retry-After from
+    the seats' turnover (one place frees in about 1/80 s), not from the two
+    requests a minute the tenant sent while quiet (about 30 s)."""
+    clock = FakeClock()
+    d, replicas = _two_replicas(clock, queue_capacity=10)
+    await _sparse_traffic(d, clock)
+    replicas[1].ejected = True
+    held = [enqueue(d, clock, "a") for _ in range(14)]  # 4 running, 10 queued
+    with pytest.raises(TenantQueueFull) as info:
+        enqueue(d, clock, "a")
+    assert info.value.retry_after_s is not None and info.value.retry_after_s < 0.1
+    d.close()
+    for t in held[4:]:
+        with pytest.raises(Exception, match="shutting down"):
+            await d.wait(t)
+    for t in held[:4]:
+        d.finish(t, await d.wait(t))
+
+
+async def test_a_twin_without_predictive_rejection_queues_what_would_be_refused() -> None:
+    """The benchmark's twin (predictive_rejection=False) queues the ticket that the
+    estimate refuses, so its fate can be compared with the refusal."""
+    clock = FakeClock()
+    replica = Replica(ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=1))
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
+    d = Dispatcher(
+        ReplicaPool([replica]), FairScheduler(WEIGHTS), clock, limits, predictive_rejection=False
+    )
+    await _warm(d, clock, 30, held_s=0.1)
+    holder = enqueue(d, clock, "a")
+    budgets = BudgetsConfig(queue_ms=1050, first_byte_ms=1000, total_ms=5000)
+    queued = [enqueue(d, clock, "a", budgets=budgets) for _ in range(11)]  # none refused
+    estimate = d.predict_wait("a", "standard", clock.now())
+    assert estimate is not None and estimate > 1.05
+    assert len(d.scheduler) == 11
+    d.close()
+    for t in queued:
+        with pytest.raises(ShuttingDown):
+            await d.wait(t)
+    d.finish(holder, await d.wait(holder))
+
+
+async def test_a_replica_lost_under_load_refuses_only_what_could_not_be_served() -> None:
+    """The false-refusal benchmark's replay on a fake clock, at a tiny scale: 0.7x of
+    two replicas, 1.4x of the one left after a loss (100 ms requests). Every
+    request refused on a predicted wait is one that the twin without prediction
+    could not serve within its budget either, and nothing admitted times out.
+    Seats that started together free together: the estimate follows that
+    staircase (n over the capacity refused a few that fit)."""
+    rng = random.Random("replica-loss")
+    arrivals, at = [], 0.0
+    while at < 10.0:
+        at += rng.expovariate(56.0)
+        arrivals.append(Arrival(at, 0, 10))
+    scenario = Scenario("replica_loss", "", tuple(arrivals), queue_ms=1000, tenants=1,
+                        kill_at_s=2.5)  # fmt: skip
+    normal = replay(scenario, token_s=0.01)
+    twin = replay(scenario, token_s=0.01, predictive=False)
+    refused = [i for i, o in enumerate(normal) if o == "refused"]
+    assert len(refused) > 0.1 * len(arrivals)  # the overload is real
+    assert [i for i in refused if twin[i] == "served"] == []
+    assert normal.count("timed_out") == 0
+
+
+async def test_a_flow_keeps_its_share_when_busy_neighbours_are_momentarily_not_queued() -> None:
+    """Three tenants at 56 per second together on 8 seats of 100 ms, then a replica is
+    lost (about 40 per second left): with its neighbours' queues empty at this
+    instant, a's queue drains at its fair third, neither at what their pre-loss
+    rates would leave it (a fifth) nor at half of everything."""
+    clock = FakeClock()
+    d, replicas = _two_replicas(clock)
+    d.set_limits({t: TenantLimits(max_concurrency=None, queue_capacity=100) for t in "abc"})
+    running: list[tuple[Ticket, float]] = []
+    for step in range(224):  # 4 s, one arrival every 1/56 s, tenants in turn
+        clock.advance(1 / 56)
+        for ticket, ends in [r for r in running if r[1] <= clock.now()]:
+            running.remove((ticket, ends))
+            d.finish(ticket, ticket.seat)
+        ticket = enqueue(d, clock, "abc"[step % 3])
+        assert ticket.seat is not None  # under capacity: every one starts at once
+        running.append((ticket, clock.now() + 0.1))
+    replicas[1].ejected = True
+    rates = d._drain_rates("a", "standard", clock.now())
+    assert rates is not None
+    mean = d._seat_time.mean_s  # a seat frees at the first step after 100 ms
+    assert mean is not None and 0.1 <= mean < 0.12
+    assert rates[0] == pytest.approx(4 / mean / 3, rel=0.01)
+    for ticket, _ in running:
+        d.finish(ticket, ticket.seat)
+
+
+async def test_retries_waiting_for_a_seat_count_in_the_wait_estimate() -> None:
+    """A retry waiting for a seat takes it ahead of every queued ticket: the estimate
+    of a new ticket grows by one seat turnover per waiting retry."""
+    clock = FakeClock()
+    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
+    d = make_dispatcher(clock, limits=limits)
+    await _warm(d, clock, 30, held_s=0.1)
+    holder = enqueue(d, clock, "a")
+    seat = await d.wait(holder)
+    before = d.predict_wait("a", "standard", clock.now())
+    retry = asyncio.ensure_future(d.reseat(frozenset(), timeout_s=5.0))
+    await asyncio.sleep(0)  # the retry registers as a waiter
+    after = d.predict_wait("a", "standard", clock.now())
+    assert before == pytest.approx(0.1) and after == pytest.approx(0.2)
+    d.finish(holder, seat)
+    (await retry).release()

@@ -1,0 +1,171 @@
+"""What admission predicts from: seat time, the others' recent dispatches, output tokens.
+
+Three small estimators, each fed by the request path and read by it:
+
+- ``SeatTime``: how long a request holds its replica seat. The serving seats
+  divided by it is the number of dispatches per second the fleet sustains, the
+  capacity every wait estimate and ``Retry-After`` starts from.
+- ``RecentDispatches``: dispatches per second per tenant and in all,
+  exponentially decayed, so a flow's estimate can leave room for the others
+  that come back while it waits.
+- ``OutputTokens``: each tenant's moving average of output tokens, the cost of
+  a request that names no output limit.
+
+Why samples and not rates: a seat time measured during a quiet period is as
+valid as one measured under load, whereas a rate measured over a quiet period
+says how little was asked, not how much can be served (a burst after a pause
+was refused for a rate of a few requests a minute). Rates here are recent
+(seconds), and only ever say what *others* take.
+
+No I/O and no clock reads here: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+#: Seat times kept: the mean is over the last this many requests.
+SEAT_TIME_WINDOW = 64
+#: A seat time counts at most this many times the window's median: a few
+#: stragglers (a stuck or timed-out request) do not stand for the fleet.
+STRAGGLER_FACTOR = 4.0
+#: Time constant of the recent dispatch rates: a few seconds of seat turnover.
+RECENT_TAU_S = 2.0
+#: A tenant whose decayed dispatch count is at least this is recently active.
+ACTIVE_COUNT = 0.5
+#: Output tokens assumed for a request with no limit, before its tenant has history.
+DEFAULT_OUTPUT_TOKENS = 256
+#: The output estimate of a request with no limit is capped here.
+MAX_OUTPUT_TOKENS_ESTIMATE = 4096
+#: Smoothing of each tenant's mean output tokens (exponentially weighted).
+OUTPUT_TOKENS_ALPHA = 0.1
+
+
+class SeatTime:
+    """Mean seat-holding time of the last ``SEAT_TIME_WINDOW`` requests, stragglers clipped.
+
+    Each sample counts at most ``STRAGGLER_FACTOR`` times the window's median,
+    so three slow requests among sixty fast ones barely move it, while a
+    genuinely wide spread (short and long answers) keeps its mean. Computed
+    when read after a change: O(window log window), at most once per record.
+
+        >>> seat = SeatTime()
+        >>> for held in (0.05, 0.05, 0.05, 2.0):
+        ...     seat.record(held)
+        >>> round(seat.mean_s or 0, 4)
+        0.0875
+    """
+
+    __slots__ = ("_mean", "_samples", "count")
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=SEAT_TIME_WINDOW)
+        self._mean: float | None = None
+        #: Seat times recorded since start (the estimators fail open below a minimum).
+        self.count = 0
+
+    def record(self, held_s: float) -> None:
+        self._samples.append(max(0.0, held_s))
+        self._mean = None
+        self.count += 1
+
+    @property
+    def mean_s(self) -> float | None:
+        """None before the first sample."""
+        if self._mean is None and self._samples:
+            ordered = sorted(self._samples)
+            ceiling = STRAGGLER_FACTOR * ordered[len(ordered) // 2]
+            self._mean = sum(min(s, ceiling) for s in ordered) / len(ordered)
+        return self._mean
+
+    def __repr__(self) -> str:
+        mean = self.mean_s
+        shown = f"{mean * 1000:.1f} ms" if mean is not None else "none"
+        return f"<SeatTime mean {shown} over {len(self._samples)}>"
+
+
+class _Decayed:
+    __slots__ = ("at", "value")
+
+    def __init__(self, at: float) -> None:
+        self.value = 0.0
+        self.at = at
+
+    def read(self, now: float) -> float:
+        if now > self.at:
+            self.value *= math.exp((self.at - now) / RECENT_TAU_S)
+            self.at = now
+        return self.value
+
+
+class RecentDispatches:
+    """Dispatches per second over the last few seconds, per tenant and in all.
+
+    Each counter is an exponentially decayed count (time constant
+    ``RECENT_TAU_S``); a steady rate r brings it to r * tau, so the rate is
+    the count over tau. O(1) per dispatch and per read.
+    """
+
+    __slots__ = ("_fleet", "_tenants")
+
+    def __init__(self) -> None:
+        self._fleet = _Decayed(0.0)
+        self._tenants: dict[str, _Decayed] = {}
+
+    def record(self, tenant: str, now: float) -> None:
+        counter = self._tenants.get(tenant)
+        if counter is None:
+            counter = self._tenants[tenant] = _Decayed(now)
+        counter.value = counter.read(now) + 1.0
+        self._fleet.value = self._fleet.read(now) + 1.0
+
+    def per_second(self, now: float) -> float:
+        """The fleet's recent dispatch rate."""
+        return self._fleet.read(now) / RECENT_TAU_S
+
+    def others_per_second(self, tenant: str, now: float) -> float:
+        """The recent dispatch rate of every tenant but ``tenant``."""
+        counter = self._tenants.get(tenant)
+        own = counter.read(now) if counter is not None else 0.0
+        return max(0.0, self._fleet.read(now) - own) / RECENT_TAU_S
+
+    def active(self, now: float) -> list[str]:
+        """Tenants with about one dispatch or more in the last ``RECENT_TAU_S``. O(tenants)."""
+        return [t for t, c in self._tenants.items() if c.read(now) >= ACTIVE_COUNT]
+
+    def forget_idle(self, now: float, below: float = 1e-3) -> None:
+        """Drop tenants whose counters decayed to nothing (bounded memory)."""
+        for tenant in [t for t, c in self._tenants.items() if c.read(now) < below]:
+            del self._tenants[tenant]
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+
+class OutputTokens:
+    """Each tenant's moving average of output tokens (the cost of a request with no limit).
+
+    ``DEFAULT_OUTPUT_TOKENS`` before a tenant's first answer, then an
+    exponentially weighted mean of the real counts, capped at
+    ``MAX_OUTPUT_TOKENS_ESTIMATE``.
+    """
+
+    __slots__ = ("_means",)
+
+    def __init__(self) -> None:
+        self._means: dict[str, float] = {}
+
+    def record(self, tenant: str, tokens: int) -> None:
+        mean = self._means.get(tenant)
+        count = float(max(0, tokens))
+        self._means[tenant] = count if mean is None else mean + OUTPUT_TOKENS_ALPHA * (count - mean)
+
+    def expected(self, tenant: str) -> float:
+        mean = self._means.get(tenant)
+        if mean is None:
+            return float(DEFAULT_OUTPUT_TOKENS)
+        return min(float(MAX_OUTPUT_TOKENS_ESTIMATE), mean)
+
+    def __repr__(self) -> str:
+        return f"<OutputTokens {len(self._means)} tenants>"
