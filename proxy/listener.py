@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,11 +163,13 @@ class Listener(web.Server):
 class Connection(RequestHandler):
     """One client connection: aiohttp's handler with the proxy's answers and limits."""
 
-    __slots__ = ("_head_since", "_head_started", "_header_timer", "_listener")
+    __slots__ = ("_app_handler", "_head_since", "_head_started", "_header_timer", "_listener")
 
     def __init__(self, manager: Listener, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._listener = manager
+        self._app_handler = manager.request_handler
+        self._request_handler = self._handle
         self._header_timer: asyncio.TimerHandle | None = None
         #: A byte of the awaited request head has arrived.
         self._head_started = False
@@ -253,6 +256,22 @@ class Connection(RequestHandler):
         self._messages.append((error, EMPTY_PAYLOAD))
         self._request_count += 1
         waiter.set_result(None)
+
+    def _handle(self, request: BaseRequest) -> Awaitable[web.StreamResponse]:
+        """The app's handler, for a request whose target is a path.
+
+        ``OPTIONS *`` and ``CONNECT host:port`` match no route: aiohttp would
+        answer a plain-text 404 without the proxy's headers. Returning the
+        app's coroutine itself (no extra ``await``) keeps this free for the
+        usual request.
+        """
+        if request.raw_path[:1] != "/":
+            return self._not_a_path(request)
+        return self._app_handler(request)
+
+    async def _not_a_path(self, request: BaseRequest) -> web.StreamResponse:
+        error = BadRequest("the request target must be a path starting with /")
+        return self._answer(error, request, parsed=True)
 
     async def _refuse(self, request: BaseRequest) -> web.StreamResponse:
         """The handler of a connection opened beyond ``max_connections``."""

@@ -378,6 +378,28 @@ async def test_a_broken_chunk_after_the_head_is_answered_400_at_once(
     assert _client_requests(upstream_state) == before
 
 
+@pytest.mark.parametrize(
+    "request_line",
+    ["OPTIONS * HTTP/1.1", "CONNECT gpu.internal:443 HTTP/1.1", "GET gpu.internal:443 HTTP/1.1"],
+)
+async def test_a_target_that_is_not_a_path_gets_the_proxys_400(
+    start_listener: StartListener, upstream_state: Upstream, request_line: str
+) -> None:
+    """``OPTIONS *`` and authority-form targets match no route: the proxy's 400
+    bad_request with its error body and X-Request-Id (not aiohttp's plain 404), counted
+    once, and nothing reaches a replica."""
+    proxy = await start_listener()
+    before = _client_requests(upstream_state)
+    raw = f"{request_line}\r\nHost: p\r\nX-API-Key: {KEY_A}\r\nConnection: close\r\n\r\n"
+    got = await _exchange(proxy.port, raw.encode())
+    assert got.status == 400 and got.headers["X-Admission-Reason"] == "bad_request"
+    assert got.json()["error"]["code"] == "bad_request"
+    assert REQUEST_ID.fullmatch(got.headers["X-Request-Id"])
+    assert KEY_A.encode() not in got.raw
+    assert _client_requests(upstream_state) == before
+    await wait_for(lambda: '"reason": "bad_request"' in proxy.access.getvalue())
+
+
 async def test_a_connection_that_sends_nothing_is_closed_after_header_ms(
     start_listener: StartListener,
 ) -> None:
