@@ -372,12 +372,12 @@ class TelemetryConfig(_Section):
 
 
 #: Shared admission state (docs/REFERENCE.md "Shared state"); ``local`` keeps it in memory.
-DEFAULT_STATE_BACKEND = "local"
+DEFAULT_STATE_BACKEND: Literal["local", "redis"] = "local"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STATE_KEY_PREFIX = "admission:"
 DEFAULT_LEASE_MS = 10_000
 DEFAULT_STATE_TIMEOUT_MS = 50
-DEFAULT_STATE_ON_FAILURE = "local_share"
+DEFAULT_STATE_ON_FAILURE: Literal["local_share", "reject"] = "local_share"
 
 
 def _check_redis_url(value: str) -> str:

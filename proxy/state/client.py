@@ -69,9 +69,9 @@ class StateDown(Exception):
 class StateClient:
     """One Redis connection pool with the failure rules above.
 
-        client = StateClient(config.state)
-        bucket = client.script(BUCKET_LUA)
-        wait = float(await client.run(bucket, [key], [rate, burst]))
+    client = StateClient(config.state)
+    bucket = client.script(BUCKET_LUA)
+    wait = float(await client.run(bucket, [key], [rate, burst]))
     """
 
     __slots__ = (

@@ -9,6 +9,7 @@ after ``ttl_ms``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from proxy.state.client import StateClient, StateDown
 from proxy.state.keys import StateKeys
@@ -54,10 +55,8 @@ class InstanceRegistry:
     async def run(self) -> None:
         """Heartbeat every third of ``ttl_ms`` until cancelled (owned by ``cleanup_ctx``)."""
         while True:
-            try:
+            with contextlib.suppress(StateDown):
                 await self.heartbeat()
-            except StateDown:
-                pass
             await asyncio.sleep(self.ttl_ms / 3000)
 
     def __repr__(self) -> str:

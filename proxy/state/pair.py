@@ -33,7 +33,9 @@ class Refused:
     full: Full
 
 
-async def acquire_pair(store: LeaseStore, first: Want, second: Want) -> tuple[Lease, Lease] | Refused:
+async def acquire_pair(
+    store: LeaseStore, first: Want, second: Want
+) -> tuple[Lease, Lease] | Refused:
     """Both leases, or neither: ``Refused`` when one is full, ``StateDown`` raised as is."""
     one = await store.acquire(first.key, first.limit, first.channel)
     if isinstance(one, Full):

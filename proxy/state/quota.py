@@ -62,7 +62,9 @@ class QuotaRemaining:
 
 
 class TokenQuotaStore(Protocol):
-    async def charge(self, tenant: str, estimate: int, limits: QuotaLimits) -> Charge | QuotaRefused:
+    async def charge(
+        self, tenant: str, estimate: int, limits: QuotaLimits
+    ) -> Charge | QuotaRefused:
         """Charge ``estimate`` tokens if they fit every limit; else charge nothing."""
         ...
 
@@ -124,13 +126,15 @@ class LocalTokenQuotas:
             state.day, state.used = day, 0
         return state, now
 
-    async def charge(self, tenant: str, estimate: int, limits: QuotaLimits) -> Charge | QuotaRefused:
+    async def charge(
+        self, tenant: str, estimate: int, limits: QuotaLimits
+    ) -> Charge | QuotaRefused:
         state, now = self._state(tenant, limits)
         refused: QuotaRefused | None = None
-        if limits.per_minute is not None and state.tokens is not None:
-            if estimate > state.tokens:
-                wait = minute_wait(state.tokens, estimate, limits.per_minute)
-                refused = QuotaRefused(wait, "minute")
+        minute = limits.per_minute
+        if minute is not None and state.tokens is not None and estimate > state.tokens:
+            wait = minute_wait(state.tokens, estimate, minute)
+            refused = QuotaRefused(wait, "minute")
         if limits.per_day is not None and state.used + estimate > limits.per_day:
             wait = (state.day + 1) * DAY_S - now
             if refused is None or wait > refused.retry_after_s:

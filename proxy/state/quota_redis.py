@@ -23,7 +23,8 @@ local tokens = nil
 if per_min then
   local b = redis.call('HMGET', KEYS[1], 'tokens', 'stamp')
   local stamp = tonumber(b[2]) or now
-  tokens = math.min(per_min, (tonumber(b[1]) or per_min) + math.max(0, now - stamp) * per_min / 60000)
+  local refill = math.max(0, now - stamp) * per_min / 60000
+  tokens = math.min(per_min, (tonumber(b[1]) or per_min) + refill)
 end
 local used = tonumber(redis.call('HGET', KEYS[2], tostring(day))) or 0
 local function save(new_tokens, new_used)
@@ -91,8 +92,10 @@ class RedisTokenQuotas:
     def _tenant_keys(self, tenant: str) -> list[str]:
         return [self._keys.quota_minute(tenant), self._keys.quota_day(tenant)]
 
-    async def charge(self, tenant: str, estimate: int, limits: QuotaLimits) -> Charge | QuotaRefused:
-        args = [estimate, _limit(limits.per_minute), _limit(limits.per_day)]
+    async def charge(
+        self, tenant: str, estimate: int, limits: QuotaLimits
+    ) -> Charge | QuotaRefused:
+        args: list[str | float] = [estimate, _limit(limits.per_minute), _limit(limits.per_day)]
         granted, wait, window, day = await self._client.run(
             _CHARGE, self._tenant_keys(tenant), args
         )
@@ -102,11 +105,16 @@ class RedisTokenQuotas:
 
     async def correct(self, charge: Charge, actual: int) -> None:
         limits = charge.limits
-        args = [actual - charge.tokens, _limit(limits.per_minute), "", charge.day]
+        args: list[str | float] = [
+            actual - charge.tokens,
+            _limit(limits.per_minute),
+            "",
+            charge.day,
+        ]
         await self._client.run(_CORRECT, self._tenant_keys(charge.tenant), args)
 
     async def remaining(self, tenant: str, limits: QuotaLimits) -> QuotaRemaining:
-        args = [0, _limit(limits.per_minute), _limit(limits.per_day)]
+        args: list[str | float] = [0, _limit(limits.per_minute), _limit(limits.per_day)]
         tokens, used, resets = await self._client.run(_REMAINING, self._tenant_keys(tenant), args)
         minute = math.floor(float(tokens)) if tokens != "" else None
         day = None if limits.per_day is None else max(0, limits.per_day - int(used))
