@@ -225,3 +225,36 @@ async def test_pair_compensates_when_redis_fails_in_between(client: StateClient)
         await acquire_pair(store, place, Want(SEATS, 1, CHANNEL))
     assert store.calls == 2
     assert await store.held(place.key) == 0
+
+
+async def test_subscriber_comes_back_after_a_redis_restart(
+    redis_server: RedisServer, client: StateClient
+) -> None:
+    """Redis restarted: the listener resubscribes by itself, first waking every waiter
+    (a release may have gone by unheard), then hears releases again."""
+    heard: list[str] = []
+    listener = FreedListener(redis_server.url, [CHANNEL], heard.append, connect_timeout_s=5)
+    task = asyncio.create_task(listener.run())
+    try:
+        async with asyncio.timeout(20):
+            await listener.subscribed.wait()
+        assert heard == [CHANNEL]  # the resync call of the first subscription
+        redis_server.stop()
+        async with asyncio.timeout(20):
+            while listener.subscribed.is_set():
+                await asyncio.sleep(0.01)
+        redis_server.start()
+        async with asyncio.timeout(20):
+            await listener.subscribed.wait()
+        assert listener.subscriptions == 2 and heard == [CHANNEL, CHANNEL]
+        store = LeaseStore(client, "a", 10_000)
+        lease = await store.acquire(SEATS, 1, CHANNEL)
+        assert isinstance(lease, Lease) and await store.release(lease)
+        async with asyncio.timeout(20):
+            while len(heard) < 3:
+                await asyncio.sleep(0.01)
+        assert heard == [CHANNEL] * 3
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

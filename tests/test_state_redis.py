@@ -145,3 +145,13 @@ async def test_slow_redis_counts_as_a_failure(redis_server: RedisServer) -> None
         assert caught.value.on_failure == "reject" and not client.up
     finally:
         await client.aclose()
+
+
+async def test_scripts_load_again_after_the_cache_is_flushed(timed: StateClient) -> None:
+    """SCRIPT FLUSH (what a restart does): the next call gets NOSCRIPT, loads, succeeds."""
+    buckets = SharedBuckets(timed, KEYS)
+    assert await buckets.try_take("acme", 1, 2) == 0
+    await timed.redis.script_flush()
+    assert await buckets.try_take("acme", 1, 2) == 0
+    assert await buckets.try_take("acme", 1, 2) == pytest.approx(1.0)
+    assert timed.up and timed.errors == 0

@@ -15,6 +15,7 @@ off from 50 ms to 1 s. ``run`` belongs to the owner's ``cleanup_ctx``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
@@ -28,7 +29,14 @@ MAX_BACKOFF_S = 1.0
 class FreedListener:
     """One pub/sub subscription to ``channels``, turned into ``on_freed`` calls."""
 
-    __slots__ = ("_channels", "_connect_timeout_s", "_on_freed", "_url", "subscribed")
+    __slots__ = (
+        "_channels",
+        "_connect_timeout_s",
+        "_on_freed",
+        "_url",
+        "subscribed",
+        "subscriptions",
+    )
 
     def __init__(
         self,
@@ -44,15 +52,17 @@ class FreedListener:
         self._connect_timeout_s = connect_timeout_s
         #: Set while subscribed: a publish from now on is heard.
         self.subscribed = asyncio.Event()
+        #: Successful subscriptions so far (1 + reconnections).
+        self.subscriptions = 0
 
     async def run(self) -> None:
         """Listen until cancelled, resubscribing after every connection loss."""
         backoff = FIRST_BACKOFF_S
         while True:
-            try:
+            before = self.subscriptions
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await self._listen()
-            except (RedisError, OSError, TimeoutError):
-                self.subscribed.clear()
+            backoff = FIRST_BACKOFF_S if self.subscriptions != before else backoff
             await asyncio.sleep(backoff)
             backoff = min(MAX_BACKOFF_S, backoff * 2)
 
@@ -69,6 +79,7 @@ class FreedListener:
                 # publish may be missed, so the channels are only reported open after it.
                 for _ in self._channels:
                     await pubsub.get_message(timeout=self._connect_timeout_s)
+                self.subscriptions += 1
                 self.subscribed.set()
                 for channel in self._channels:
                     self._on_freed(channel)
