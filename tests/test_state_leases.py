@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from proxy.clock import FakeClock
 from proxy.settings import StateConfig
 from proxy.state.client import StateClient, StateDown
 from proxy.state.keys import StateKeys
@@ -56,6 +57,7 @@ async def test_racing_clients_never_hold_more_than_the_limit(redis_server: Redis
 
 _HOLDER = """
 import asyncio, sys
+from proxy.clock import FakeClock
 from proxy.settings import StateConfig
 from proxy.state.client import StateClient
 from proxy.state.keys import StateKeys
@@ -131,12 +133,11 @@ async def test_sigkilled_holder_frees_its_seats_within_lease_ms(
 
 async def test_lease_not_renewed_expires_and_is_reported_lost(client: StateClient) -> None:
     """On the test clock: a lease unrenewed past lease_ms frees its seat; renewal says lost."""
-    from proxy.clock import FakeClock
-
     clock = FakeClock(start=1_000_000.0)
     timed = StateClient(client.config, clock=clock)
     store = LeaseStore(timed, "a", 1000)
-    keeper = LeaseKeeper(store)
+    lost: list[Lease] = []
+    keeper = LeaseKeeper(store, on_lost=lost.append)
     first = await store.acquire(SEATS, 1, CHANNEL)
     assert isinstance(first, Lease)
     keeper.add(first)
@@ -148,7 +149,7 @@ async def test_lease_not_renewed_expires_and_is_reported_lost(client: StateClien
     clock.advance(0.2)
     second = await store.acquire(SEATS, 1, CHANNEL)
     assert isinstance(second, Lease)
-    assert await keeper.renew_once() == [first] and len(keeper) == 0
+    assert await keeper.renew_once() == [first] and len(keeper) == 0 and lost == [first]
     assert not await store.release(first)
     assert await store.release(second)
     await timed.aclose()

@@ -17,6 +17,8 @@ from proxy.state.client import StateClient, StateDown
 from proxy.state.instances import InstanceRegistry
 from proxy.state.keys import StateKeys
 from proxy.state.leases import Full, Lease, LeaseStore
+from proxy.state.quota import Charge, QuotaLimits
+from proxy.state.quota_redis import RedisTokenQuotas
 from proxy.state.retry_budget import SharedRetryBudget
 from tests.redis_server import RedisServer
 
@@ -155,3 +157,15 @@ async def test_scripts_load_again_after_the_cache_is_flushed(timed: StateClient)
     assert await buckets.try_take("acme", 1, 2) == 0
     assert await buckets.try_take("acme", 1, 2) == pytest.approx(1.0)
     assert timed.up and timed.errors == 0
+
+
+async def test_day_counter_expires_an_hour_after_its_day(
+    timed: StateClient, clock: FakeClock
+) -> None:
+    """The per-day key lives until an hour past the UTC midnight that ends its day."""
+    quotas = RedisTokenQuotas(timed, KEYS)
+    assert isinstance(await quotas.charge("acme", 10, QuotaLimits(per_day=100)), Charge)
+    now = clock.now()
+    expected_ms = ((now // 86_400 + 1) * 86_400 - now + 3_600) * 1000
+    ttl_ms = await timed.redis.pttl(KEYS.quota_day("acme"))
+    assert expected_ms - 10_000 < ttl_ms <= expected_ms

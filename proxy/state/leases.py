@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from proxy.state.client import StateClient, StateDown
@@ -132,16 +132,16 @@ class LeaseKeeper:
 
     ``run`` is a background loop for the owner's ``cleanup_ctx``; a renewal
     that fails is retried at the next tick (the client counts the error).
-    ``on_lost`` hears of each lease Redis no longer holds.
+    ``on_lost`` hears of each lease Redis no longer holds; it is no longer
+    renewed, and the caller stops counting it.
     """
 
-    __slots__ = ("_by_key", "_store", "lost")
+    __slots__ = ("_by_key", "_on_lost", "_store")
 
-    def __init__(self, store: LeaseStore) -> None:
+    def __init__(self, store: LeaseStore, on_lost: Callable[[Lease], None] | None = None) -> None:
         self._store = store
+        self._on_lost = on_lost
         self._by_key: dict[str, dict[str, Lease]] = {}
-        #: Leases reported lost since the last ``take_lost``.
-        self.lost: list[Lease] = []
 
     def add(self, lease: Lease) -> None:
         self._by_key.setdefault(lease.key, {})[lease.id] = lease
@@ -166,7 +166,8 @@ class LeaseKeeper:
                 if lease is not None:
                     lost.append(lease)
                     self.discard(lease)
-        self.lost.extend(lost)
+                    if self._on_lost is not None:
+                        self._on_lost(lease)
         return lost
 
     async def run(self) -> None:

@@ -34,7 +34,7 @@ local function save(new_tokens, new_used)
   end
   redis.call('HSET', KEYS[2], tostring(day), new_used)
   redis.call('HDEL', KEYS[2], tostring(day - 1))
-  redis.call('PEXPIREAT', KEYS[2], (day + 1) * 86400000 + 3600000)
+  redis.call('PEXPIRE', KEYS[2], math.ceil((day + 1) * 86400000 + 3600000 - now))
 end
 """
 
