@@ -126,7 +126,8 @@ async def test_sigkilled_holder_frees_its_seats_within_lease_ms(
         _stop(holder)
     # The server's own expiries: no seat of the dead process outlives lease_ms from now.
     seconds, micros = await client.redis.time()
-    for _, expiry_ms in await client.redis.zrange(SEATS, 0, -1, withscores=True):
+    for entry in await client.redis.zrange(SEATS, 0, -1, withscores=True):
+        expiry_ms = float(entry[1])
         assert expiry_ms - (seconds * 1000 + micros / 1000) <= lease_ms
     answer = await store.acquire(SEATS, 8, CHANNEL)
     while isinstance(answer, Full) and time.monotonic() - killed < 20:

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.exceptions
 
 from proxy.clock import FakeClock
 from proxy.quotas import TokenBucket
@@ -140,11 +141,17 @@ async def test_slow_redis_counts_as_a_failure(redis_server: RedisServer) -> None
         backend="redis", redis_url=redis_server.url, timeout_ms=100, on_failure="reject"
     )
     client = StateClient(config)
-    slow = "local t = redis.call('TIME') local s = t[1] while redis.call('TIME')[1] - s < 1 do end"
+    # Busy for one full second of server time (microseconds: not just a change of second).
+    slow = """
+    local function us() local t = redis.call('TIME') return t[1] * 1000000 + t[2] end
+    local start = us()
+    while us() - start < 1000000 do end
+    """
     try:
         with pytest.raises(StateDown) as caught:
             await client.run(slow + " return 1", ["admission:{x}:slow"], [])
         assert caught.value.on_failure == "reject" and not client.up
+        assert isinstance(caught.value.__cause__, (TimeoutError, redis.exceptions.TimeoutError))
     finally:
         await client.aclose()
 
