@@ -22,7 +22,8 @@ translates aiohttp's client errors into them.
     │   ├── NoHealthyReplica           503 no_healthy_replica
     │   ├── ShuttingDown               503 shutting_down
     │   ├── RetryBudgetExhausted       503 retry_budget_exhausted
-    │   └── OverloadedConnections      503 overloaded_connections
+    │   ├── OverloadedConnections      503 overloaded_connections
+    │   └── StateUnavailable           503 state_unavailable
     ├── TimedOut                       outcome "timed_out"
     │   ├── EntranceTimeout            408 entrance_timeout
     │   ├── QueueTimeout               503 queue_timeout
@@ -155,6 +156,13 @@ class OverloadedConnections(Rejected):
 
     status = 503
     reason = "overloaded_connections"
+
+
+class StateUnavailable(Rejected):
+    """Shared state (``state.backend: redis``) unreachable with ``on_failure: reject``."""
+
+    status = 503
+    reason = "state_unavailable"
 
 
 class TimedOut(ProxyError):

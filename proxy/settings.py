@@ -371,6 +371,42 @@ class TelemetryConfig(_Section):
     max_tenant_labels: int = Field(default=DEFAULT_MAX_TENANT_LABELS, ge=1)
 
 
+#: Shared admission state (docs/REFERENCE.md "Shared state"); ``local`` keeps it in memory.
+DEFAULT_STATE_BACKEND: Literal["local", "redis"] = "local"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_STATE_KEY_PREFIX = "admission:"
+DEFAULT_LEASE_MS = 10_000
+DEFAULT_STATE_TIMEOUT_MS = 50
+DEFAULT_STATE_ON_FAILURE: Literal["local_share", "reject"] = "local_share"
+
+
+def _check_redis_url(value: str) -> str:
+    """A Redis URL as redis-py reads it: redis://, rediss:// (TLS) or unix://."""
+    parts = urlsplit(value)
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as exc:
+        raise rule(f"invalid port in URL: {exc}") from None
+    if parts.scheme in ("redis", "rediss") and parts.hostname:
+        return value
+    if parts.scheme == "unix" and parts.path:
+        return value
+    raise rule("must be a redis://host, rediss://host or unix:///path URL")
+
+
+class StateConfig(_Section):
+    """Where limits shared by several processes and instances live (Redis, or memory)."""
+
+    backend: Literal["local", "redis"] = DEFAULT_STATE_BACKEND
+    redis_url: Annotated[str, AfterValidator(_check_redis_url)] = DEFAULT_REDIS_URL
+    key_prefix: Annotated[str, StringConstraints(min_length=1, pattern=r"^[^{}\s]+$")] = (
+        DEFAULT_STATE_KEY_PREFIX
+    )
+    lease_ms: int = Field(default=DEFAULT_LEASE_MS, gt=0)
+    timeout_ms: int = Field(default=DEFAULT_STATE_TIMEOUT_MS, gt=0)
+    on_failure: Literal["local_share", "reject"] = DEFAULT_STATE_ON_FAILURE
+
+
 class TenantConfig(_Section):
     """One tenant: its keys, class, fair-share weight, quotas and budget overrides."""
 
@@ -462,6 +498,7 @@ class Config(BaseSettings):
     retry: RetryConfig = RetryConfig()
     priorities: dict[Name, PriorityConfig] = Field(default_factory=_default_priorities)
     telemetry: TelemetryConfig = TelemetryConfig()
+    state: StateConfig = StateConfig()
     #: Path prefixes forwarded to replicas, matched by whole segments ("/" opens all).
     routes: tuple[Route, ...] = DEFAULT_ROUTES
     anonymous: str = ANONYMOUS_REJECT

@@ -17,7 +17,7 @@ from tests.helpers import wait_for
 from tests.upstreams import UPSTREAM, Upstream, build_upstream
 
 #: Real-engine fixtures (llama-server), used by the ``engine``-marked tests.
-pytest_plugins = ("tests.engine",)
+pytest_plugins = ("tests.engine", "tests.redis_server")
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
 ClientFactory = Callable[..., Awaitable[TestClient[web.Request, web.Application]]]

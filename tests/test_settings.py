@@ -54,6 +54,7 @@ REFERENCE_KEY_ORDER = [
     "retry",
     "priorities",
     "telemetry",
+    "state",
     "routes",
     "anonymous",
     "tenants",
@@ -321,6 +322,21 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         {"retry": {"base_backoff_ms": 500, "max_backoff_ms": 100}},
         {"retry.max_backoff_ms": "below base_backoff_ms"},
     ),
+    ("state backend", {"state": {"backend": "etcd"}}, {"state.backend": "'local' or 'redis'"}),
+    (
+        "state failure mode",
+        {"state": {"on_failure": "allow"}},
+        {"state.on_failure": "'local_share' or 'reject'"},
+    ),
+    ("state lease", {"state": {"lease_ms": 0}}, {"state.lease_ms": "greater than 0"}),
+    ("state timeout", {"state": {"timeout_ms": -5}}, {"state.timeout_ms": "greater than 0"}),
+    (
+        "state url scheme",
+        {"state": {"redis_url": "http://r:6379"}},
+        {"state.redis_url": "redis://"},
+    ),
+    ("state url port", {"state": {"redis_url": "redis://r:99999/0"}}, {"state.redis_url": "port"}),
+    ("state hash tag", {"state": {"key_prefix": "a{b}:"}}, {"state.key_prefix": "pattern"}),
     ("no classes", {"priorities": {}}, {"priorities": "at least one priority class"}),
     (
         "class weight",
@@ -728,3 +744,18 @@ def test_check_config_missing_file(tmp_path: Path) -> None:
     err = io.StringIO()
     assert check_config(str(tmp_path / "nope.yaml"), io.StringIO(), err) == EXIT_INVALID
     assert err.getvalue().splitlines()[1].startswith("<file>: cannot read")
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:6379/0", "rediss://user:pw@cache.internal:6380/2", "unix:///run/r.sock"],
+)
+def test_state_section_takes_redis_urls(url: str) -> None:
+    """The shared-state section accepts the URL forms redis-py opens, keeping them verbatim."""
+    config = _parse({"state": {"backend": "redis", "redis_url": url, "on_failure": "reject"}})
+    assert (config.state.backend, config.state.redis_url, config.state.on_failure) == (
+        "redis",
+        url,
+        "reject",
+    )
+    assert _parse().state.backend == "local"

@@ -1,0 +1,162 @@
+"""The one door to Redis: a time limit on every call, error counting, up/down.
+
+Every call is bounded by ``state.timeout_ms`` (the socket timeouts and an
+``asyncio.timeout`` around the whole call, with redis-py's own retries off),
+so a Redis that is down or slow costs a request at most that long. Any
+failure is counted, flips the state to down (the callback fires once per
+transition, for ``admission_state_up``, ``admission_state_errors_total`` and a
+log line) and is raised as ``StateDown``, which carries what the caller needs
+to fall back: ``on_failure`` and the live instance count last seen. The first
+call that succeeds flips it back up: no restart, no reconnect loop here.
+
+Scripts are sent by EVALSHA and loaded again on NOSCRIPT (redis-py's
+``register_script``), so a restarted Redis with an empty script cache costs
+one extra round trip, not an error.
+
+A call that timed out may still have run on the server: a lease it took is
+never renewed and frees within ``lease_ms``; a token it took is lost. Both
+err on the side of admitting less, never more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
+
+from proxy.clock import Clock
+from proxy.settings import StateConfig
+
+OnFailure = Literal["local_share", "reject"]
+#: Lua prelude of every script: server time in ms, or the test clock's when ARGV[1] is set.
+NOW_MS = """
+local function now_ms()
+  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+"""
+
+
+class StateDown(Exception):
+    """Redis did not answer in time; the caller enforces its limit locally or rejects."""
+
+    def __init__(self, message: str, *, on_failure: OnFailure, instances: int) -> None:
+        super().__init__(message)
+        self.on_failure = on_failure
+        #: Live instances last seen (at least 1): ``local_share`` divides each limit by it.
+        self.instances = instances
+
+    def local_share(self, limit: float) -> float:
+        """This instance's part of a rate (``rate_per_s``, tokens per minute)."""
+        return limit / self.instances
+
+    def local_seats(self, limit: int) -> int:
+        """This instance's part of a count of places, rounded down but at least one.
+
+        At least one so that a small limit spread over many instances still
+        serves; the total may then exceed the limit by at most one per instance.
+        """
+        return max(1, limit // self.instances)
+
+
+class StateClient:
+    """One Redis connection pool with the failure rules above.
+
+    client = StateClient(config.state)
+    bucket = client.script(BUCKET_LUA)
+    wait = float(await client.run(bucket, [key], [rate, burst]))
+    """
+
+    __slots__ = (
+        "_clock",
+        "_on_change",
+        "_redis",
+        "_scripts",
+        "config",
+        "errors",
+        "instances",
+        "up",
+    )
+
+    def __init__(
+        self,
+        config: StateConfig,
+        *,
+        clock: Clock | None = None,
+        on_change: Callable[[bool, BaseException | None], None] | None = None,
+    ) -> None:
+        self.config = config
+        timeout = config.timeout_ms / 1000
+        self._redis: Redis = Redis.from_url(
+            config.redis_url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+        #: Tests only: a fake clock replaces server TIME, so scripts run on the test's time.
+        self._clock = clock
+        self._on_change = on_change
+        self._scripts: dict[str, AsyncScript] = {}
+        self.up = True
+        self.errors = 0
+        self.instances = 1
+
+    @property
+    def redis(self) -> Redis:
+        return self._redis
+
+    def script(self, source: str) -> AsyncScript:
+        """The registered script for ``source`` (with the ``now_ms`` prelude)."""
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self._redis.register_script(NOW_MS + source)
+        return script
+
+    def now_arg(self) -> str:
+        """ARGV[1] of every script: empty (server time) unless a test clock is set."""
+        return "" if self._clock is None else repr(self._clock.now() * 1000)
+
+    async def run(self, source: str, keys: Sequence[str], args: Sequence[str | float]) -> Any:
+        """Run one script within ``timeout_ms``; ``StateDown`` on any failure."""
+        script = self.script(source)
+        argv = [self.now_arg(), *(str(a) for a in args)]
+        try:
+            async with asyncio.timeout(self.config.timeout_ms / 1000):
+                result = await script(keys=list(keys), args=argv, client=self._redis)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._failed(exc) from exc
+        self._succeeded()
+        return result
+
+    def _failed(self, exc: BaseException) -> StateDown:
+        self.errors += 1
+        if self.up:
+            self.up = False
+            if self._on_change is not None:
+                self._on_change(False, exc)
+        return StateDown(
+            f"shared state unavailable: {type(exc).__name__}: {exc}",
+            on_failure=self.config.on_failure,
+            instances=max(1, self.instances),
+        )
+
+    def _succeeded(self) -> None:
+        if not self.up:
+            self.up = True
+            if self._on_change is not None:
+                self._on_change(True, None)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    def __repr__(self) -> str:
+        state = "up" if self.up else "down"
+        return f"<StateClient {state}, {self.errors} errors, {self.instances} instances>"

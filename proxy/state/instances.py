@@ -1,0 +1,63 @@
+"""Live gateway processes: each heartbeats its id into a ZSET scored by expiry.
+
+The count is ``admission_instances`` and the divisor of ``on_failure:
+local_share``; the client keeps the last count seen, since it is needed
+precisely when Redis cannot be asked. A process that dies stops counting
+after ``ttl_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from proxy.state.client import StateClient, StateDown
+from proxy.state.keys import StateKeys
+
+_BEAT = """
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if ARGV[3] == '1' then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[2])
+else
+  redis.call('ZREM', KEYS[1], ARGV[2])
+end
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[4]))
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+class InstanceRegistry:
+    """This process's heartbeat, and the fleet's live count."""
+
+    __slots__ = ("_client", "_key", "instance_id", "ttl_ms")
+
+    def __init__(self, client: StateClient, keys: StateKeys, instance_id: str, ttl_ms: int):
+        self._client = client
+        self._key = keys.instances()
+        self.instance_id = instance_id
+        self.ttl_ms = ttl_ms
+
+    async def heartbeat(self) -> int:
+        """Say this instance is alive for ``ttl_ms`` more; returns the live count."""
+        return await self._beat(alive=True)
+
+    async def leave(self) -> int:
+        """A clean shutdown: stop counting at once rather than after ``ttl_ms``."""
+        return await self._beat(alive=False)
+
+    async def _beat(self, *, alive: bool) -> int:
+        args = [self.instance_id, "1" if alive else "0", self.ttl_ms]
+        count = int(await self._client.run(_BEAT, [self._key], args))
+        self._client.instances = max(1, count)
+        return count
+
+    async def run(self) -> None:
+        """Heartbeat every third of ``ttl_ms`` until cancelled (owned by ``cleanup_ctx``)."""
+        while True:
+            with contextlib.suppress(StateDown):
+                await self.heartbeat()
+            await asyncio.sleep(self.ttl_ms / 3000)
+
+    def __repr__(self) -> str:
+        return f"<InstanceRegistry {self.instance_id}, {self._client.instances} live>"

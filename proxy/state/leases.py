@@ -1,0 +1,184 @@
+"""Places held as leases: tenant ``max_concurrency`` places and replica seats.
+
+A lease key is a ZSET of lease id -> expiry (server ms). Acquire removes the
+expired leases first (``ZREMRANGEBYSCORE``), then adds one only while fewer
+than ``limit`` remain, all in one script: that is what keeps the total exact
+across processes, and what frees a killed process's places within
+``lease_ms`` without anyone cleaning up after it. A holder renews its leases
+(``LeaseKeeper``, one script call per key for all of this process's leases
+there) well before they expire. Release removes the lease and, when it was
+still held, publishes the key's channel so waiting processes try again at
+once (notify.py).
+
+A refusal says when the earliest lease there expires if nobody renews it:
+waiting processes arm one timer for it instead of polling. A lease found
+expired at renewal (this process could not reach Redis for ``lease_ms``) is
+reported lost: its place may already be someone else's, so the caller must
+stop counting it (the request keeps running; the replica runs at most one
+more than its limit until it ends). A Redis restart without persistence loses
+every lease the same way: renewals report them lost, releases answer False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from proxy.state.client import StateClient, StateDown
+
+_ACQUIRE = """
+local now = now_ms()
+local key, id, limit, lease_ms = KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+local held = redis.call('ZCARD', key)
+if held >= limit then
+  local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  local wait = lease_ms
+  if first[2] then wait = tonumber(first[2]) - now end
+  return {0, held, tostring(wait)}
+end
+redis.call('ZADD', key, now + lease_ms, id)
+redis.call('PEXPIRE', key, 2 * lease_ms)
+return {1, held + 1, '0'}
+"""
+
+_RELEASE = """
+local removed = redis.call('ZREM', KEYS[1], ARGV[2])
+if removed == 1 then redis.call('PUBLISH', ARGV[3], KEYS[1]) end
+return removed
+"""
+
+_RENEW = """
+local now = now_ms()
+local key, lease_ms = KEYS[1], tonumber(ARGV[2])
+local lost = {}
+for i = 3, #ARGV do
+  local expiry = redis.call('ZSCORE', key, ARGV[i])
+  if expiry and tonumber(expiry) > now then
+    redis.call('ZADD', key, 'XX', now + lease_ms, ARGV[i])
+  else
+    redis.call('ZREM', key, ARGV[i])
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+if redis.call('EXISTS', key) == 1 then redis.call('PEXPIRE', key, 2 * lease_ms) end
+return lost
+"""
+
+_HELD = """
+return redis.call('ZCOUNT', KEYS[1], '(' .. now_ms(), '+inf')
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    key: str
+    id: str
+    #: Where its release is announced (``StateKeys.freed_channel``).
+    channel: str
+
+
+@dataclass(frozen=True, slots=True)
+class Full:
+    """No place: ``held`` leases there, the earliest expiring in ``retry_in_s`` unless renewed."""
+
+    held: int
+    retry_in_s: float
+
+
+class LeaseStore:
+    """Acquire, renew and release leases; one Redis call each."""
+
+    __slots__ = ("_client", "_ids", "_owner", "lease_ms")
+
+    def __init__(self, client: StateClient, owner: str, lease_ms: int) -> None:
+        self._client = client
+        self._owner = owner
+        self._ids = itertools.count(1)
+        self.lease_ms = lease_ms
+
+    async def acquire(self, key: str, limit: int, channel: str) -> Lease | Full:
+        """Take one of ``limit`` places at ``key``, or say when one may free."""
+        lease_id = f"{self._owner}:{next(self._ids)}"
+        granted, held, wait = await self._client.run(
+            _ACQUIRE, [key], [lease_id, limit, self.lease_ms]
+        )
+        if int(granted):
+            return Lease(key, lease_id, channel)
+        return Full(int(held), max(0.0, float(wait)) / 1000)
+
+    async def release(self, lease: Lease) -> bool:
+        """Give the place back; False when it was no longer held (expired or lost)."""
+        removed = await self._client.run(_RELEASE, [lease.key], [lease.id, lease.channel])
+        return bool(removed)
+
+    async def renew(self, key: str, lease_ids: Iterable[str]) -> set[str]:
+        """Extend every given lease at ``key`` by ``lease_ms``; returns the ids lost."""
+        lost = await self._client.run(_RENEW, [key], [self.lease_ms, *lease_ids])
+        return set(lost)
+
+    async def held(self, key: str) -> int:
+        """Leases not expired at ``key``: the ground truth the tests count."""
+        return int(await self._client.run(_HELD, [key], []))
+
+    def __repr__(self) -> str:
+        return f"<LeaseStore {self._owner} lease {self.lease_ms} ms>"
+
+
+class LeaseKeeper:
+    """This process's held leases, renewed together every third of ``lease_ms``.
+
+    ``run`` is a background loop for the owner's ``cleanup_ctx``; a renewal
+    that fails is retried at the next tick (the client counts the error).
+    ``on_lost`` hears of each lease Redis no longer holds; it is no longer
+    renewed, and the caller stops counting it.
+    """
+
+    __slots__ = ("_by_key", "_on_lost", "_store")
+
+    def __init__(self, store: LeaseStore, on_lost: Callable[[Lease], None] | None = None) -> None:
+        self._store = store
+        self._on_lost = on_lost
+        self._by_key: dict[str, dict[str, Lease]] = {}
+
+    def add(self, lease: Lease) -> None:
+        self._by_key.setdefault(lease.key, {})[lease.id] = lease
+
+    def discard(self, lease: Lease) -> None:
+        held = self._by_key.get(lease.key)
+        if held is not None:
+            held.pop(lease.id, None)
+            if not held:
+                del self._by_key[lease.key]
+
+    async def renew_once(self) -> list[Lease]:
+        """One renewal of every held lease (one call per key); returns those lost."""
+        lost: list[Lease] = []
+        for key, held in list(self._by_key.items()):
+            try:
+                ids = await self._store.renew(key, list(held))
+            except StateDown:
+                continue
+            for lease_id in ids:
+                lease = held.get(lease_id)
+                if lease is not None:
+                    lost.append(lease)
+                    self.discard(lease)
+                    if self._on_lost is not None:
+                        self._on_lost(lease)
+        return lost
+
+    async def run(self) -> None:
+        """Renew until cancelled."""
+        interval = self._store.lease_ms / 3000
+        while True:
+            await asyncio.sleep(interval)
+            await self.renew_once()
+
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._by_key.values())
+
+    def __repr__(self) -> str:
+        return f"<LeaseKeeper {len(self)} leases on {len(self._by_key)} keys>"

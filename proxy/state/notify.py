@@ -1,0 +1,95 @@
+"""Wake waiting processes when a shared place frees: Redis pub/sub, no polling.
+
+The release script publishes the lease's channel; ``FreedListener`` holds one
+subscription per process and calls ``on_freed(channel)`` for each message, so
+a process with requests queued for a pool or a tenant tries to acquire again
+at once. Its connection has no read timeout (it waits for messages, that is
+its job), unlike the client's short-timeout pool.
+
+Messages sent while the subscription was down are lost, so after every
+(re)subscription ``on_freed`` is called once per channel: waiters re-check
+instead of waiting for a message that already went by. Reconnection backs
+off from 50 ms to 1 s. ``run`` belongs to the owner's ``cleanup_ctx``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+#: Reconnection backoff bounds, seconds.
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
+
+
+class FreedListener:
+    """One pub/sub subscription to ``channels``, turned into ``on_freed`` calls."""
+
+    __slots__ = (
+        "_channels",
+        "_connect_timeout_s",
+        "_on_freed",
+        "_url",
+        "subscribed",
+        "subscriptions",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        channels: Sequence[str],
+        on_freed: Callable[[str], None],
+        *,
+        connect_timeout_s: float,
+    ) -> None:
+        self._url = url
+        self._channels = list(channels)
+        self._on_freed = on_freed
+        self._connect_timeout_s = connect_timeout_s
+        #: Set while subscribed: a publish from now on is heard.
+        self.subscribed = asyncio.Event()
+        #: Successful subscriptions so far (1 + reconnections).
+        self.subscriptions = 0
+
+    async def run(self) -> None:
+        """Listen until cancelled, resubscribing after every connection loss."""
+        backoff = FIRST_BACKOFF_S
+        while True:
+            before = self.subscriptions
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self._listen()
+            backoff = FIRST_BACKOFF_S if self.subscriptions != before else backoff
+            await asyncio.sleep(backoff)
+            backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+    async def _listen(self) -> None:
+        redis = Redis.from_url(
+            self._url,
+            socket_connect_timeout=self._connect_timeout_s,
+            decode_responses=True,
+        )
+        try:
+            async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                await pubsub.subscribe(*self._channels)
+                # The subscription is confirmed once its reply is read; until then a
+                # publish may be missed, so the channels are only reported open after it.
+                for _ in self._channels:
+                    await pubsub.get_message(timeout=self._connect_timeout_s)
+                self.subscriptions += 1
+                self.subscribed.set()
+                for channel in self._channels:
+                    self._on_freed(channel)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._on_freed(str(message["channel"]))
+        finally:
+            self.subscribed.clear()
+            await redis.aclose()
+
+    def __repr__(self) -> str:
+        state = "subscribed" if self.subscribed.is_set() else "connecting"
+        return f"<FreedListener {len(self._channels)} channels, {state}>"

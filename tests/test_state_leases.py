@@ -1,0 +1,266 @@
+"""Leases on a real redis-server: exact limits under races, expiry, SIGKILL, notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from proxy.clock import FakeClock
+from proxy.settings import StateConfig
+from proxy.state.client import StateClient, StateDown
+from proxy.state.keys import StateKeys
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore
+from proxy.state.notify import FreedListener
+from proxy.state.pair import Refused, Want, acquire_pair
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+KEYS = StateKeys("admission:")
+SEATS = KEYS.seats("gpu-0")
+CHANNEL = KEYS.freed_channel("pool-a")
+
+
+def _config(server: RedisServer, **changes: object) -> StateConfig:
+    base: dict[str, object] = {"backend": "redis", "redis_url": server.url, "timeout_ms": 2000}
+    return StateConfig.model_validate(base | changes)
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[StateClient]:
+    client = StateClient(_config(redis_server))
+    yield client
+    await client.aclose()
+
+
+async def test_racing_clients_never_hold_more_than_the_limit(redis_server: RedisServer) -> None:
+    """40 clients, each with its own connection pool, race for 8 seats: exactly 8 win."""
+    clients = [StateClient(_config(redis_server)) for _ in range(40)]
+    try:
+        stores = [LeaseStore(c, f"p{i}", 10_000) for i, c in enumerate(clients)]
+        answers = await asyncio.gather(*(s.acquire(SEATS, 8, CHANNEL) for s in stores))
+        assert sum(isinstance(a, Lease) for a in answers) == 8
+        assert await stores[0].held(SEATS) == 8
+        refused = [a for a in answers if isinstance(a, Full)]
+        assert all(a.held == 8 and 0 < a.retry_in_s <= 10 for a in refused)
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+_HOLDER = """
+import asyncio, sys
+from proxy.clock import FakeClock
+from proxy.settings import StateConfig
+from proxy.state.client import StateClient
+from proxy.state.keys import StateKeys
+from proxy.state.leases import Lease, LeaseKeeper, LeaseStore
+
+async def main() -> None:
+    config = StateConfig(backend="redis", redis_url=sys.argv[1], timeout_ms=2000)
+    store = LeaseStore(StateClient(config), sys.argv[2], int(sys.argv[3]))
+    keeper = LeaseKeeper(store)
+    seats = StateKeys("admission:").seats("gpu-0")
+    won = 0
+    for _ in range(8):
+        lease = await store.acquire(seats, 8, "admission:freed:pool-a")
+        if isinstance(lease, Lease):
+            keeper.add(lease)
+            won += 1
+    print(won, flush=True)
+    await keeper.run()
+
+asyncio.run(main())
+"""
+
+
+def _holder(server: RedisServer, owner: str, lease_ms: int) -> subprocess.Popen[str]:
+    args = [sys.executable, "-c", _HOLDER, server.url, owner, str(lease_ms)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+
+
+def _stop(holder: subprocess.Popen[str]) -> None:
+    holder.kill()
+    holder.wait(timeout=20)
+    if holder.stdout is not None:
+        holder.stdout.close()
+
+
+async def test_separate_processes_share_the_seats_exactly(redis_server: RedisServer) -> None:
+    """Three OS processes each try for all 8 seats at once: 8 won in total, 8 held."""
+    holders = [_holder(redis_server, f"proc{i}", 10_000) for i in range(3)]
+    try:
+        wins = [int(await asyncio.to_thread(h.stdout.readline)) for h in holders if h.stdout]
+        assert sum(wins) == 8
+        client = StateClient(_config(redis_server))
+        assert await LeaseStore(client, "probe", 10_000).held(SEATS) == 8
+        await client.aclose()
+    finally:
+        for h in holders:
+            _stop(h)
+
+
+async def test_sigkilled_holder_frees_its_seats_within_lease_ms(
+    redis_server: RedisServer, client: StateClient
+) -> None:
+    """A process renewing 8 seats is SIGKILLed: the seats stay while it lives, then free."""
+    lease_ms = 1500
+    holder = _holder(redis_server, "doomed", lease_ms)
+    store = LeaseStore(client, "survivor", lease_ms)
+    try:
+        assert holder.stdout is not None
+        assert int(await asyncio.to_thread(holder.stdout.readline)) == 8
+        await asyncio.sleep(lease_ms * 2 / 1000)  # longer than a lease: renewals kept them
+        assert isinstance(await store.acquire(SEATS, 8, CHANNEL), Full)
+        os.kill(holder.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        holder.wait(timeout=20)
+    finally:
+        _stop(holder)
+    # The server's own expiries: no seat of the dead process outlives lease_ms from now.
+    seconds, micros = await client.redis.time()
+    for entry in await client.redis.zrange(SEATS, 0, -1, withscores=True):
+        expiry_ms = float(entry[1])
+        assert expiry_ms - (seconds * 1000 + micros / 1000) <= lease_ms
+    answer = await store.acquire(SEATS, 8, CHANNEL)
+    while isinstance(answer, Full) and time.monotonic() - killed < 20:
+        await asyncio.sleep(max(0.01, answer.retry_in_s))
+        answer = await store.acquire(SEATS, 8, CHANNEL)
+    assert isinstance(answer, Lease)
+
+
+async def test_lease_not_renewed_expires_and_is_reported_lost(client: StateClient) -> None:
+    """On the test clock: a lease unrenewed past lease_ms frees its seat; renewal says lost."""
+    clock = FakeClock(start=1_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    store = LeaseStore(timed, "a", 1000)
+    lost: list[Lease] = []
+    keeper = LeaseKeeper(store, on_lost=lost.append)
+    first = await store.acquire(SEATS, 1, CHANNEL)
+    assert isinstance(first, Lease)
+    keeper.add(first)
+    clock.advance(0.9)
+    assert await keeper.renew_once() == []
+    clock.advance(0.9)  # 1.8 s after the take, 0.9 s after the renewal: still held
+    refused = await store.acquire(SEATS, 1, CHANNEL)
+    assert isinstance(refused, Full) and refused.retry_in_s == pytest.approx(0.1)
+    clock.advance(0.2)
+    second = await store.acquire(SEATS, 1, CHANNEL)
+    assert isinstance(second, Lease)
+    assert await keeper.renew_once() == [first] and len(keeper) == 0 and lost == [first]
+    assert not await store.release(first)
+    assert await store.release(second)
+    await timed.aclose()
+
+
+async def test_release_wakes_a_subscriber(redis_server: RedisServer, client: StateClient) -> None:
+    """A process listening on the pool's channel hears a release (and only a real one)."""
+    heard: list[str] = []
+    woke = asyncio.Event()
+
+    def on_freed(channel: str) -> None:
+        heard.append(channel)
+        woke.set()
+
+    listener = FreedListener(redis_server.url, [CHANNEL], on_freed, connect_timeout_s=5)
+    task = asyncio.create_task(listener.run())
+    try:
+        async with asyncio.timeout(20):
+            await listener.subscribed.wait()
+        woke.clear()
+        heard.clear()
+        store = LeaseStore(client, "a", 10_000)
+        lease = await store.acquire(SEATS, 1, CHANNEL)
+        assert isinstance(lease, Lease)
+        assert not woke.is_set()
+        assert await store.release(lease)
+        async with asyncio.timeout(20):
+            await woke.wait()
+        assert heard == [CHANNEL]
+        assert not await store.release(lease)  # nothing held: nothing published
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize(("tenant_limit", "seat_limit", "refused"), [(0, 1, 0), (1, 0, 1)])
+async def test_pair_takes_both_or_neither(
+    client: StateClient, tenant_limit: int, seat_limit: int, refused: int
+) -> None:
+    """A tenant place then a seat: a refusal of either leaves no place taken."""
+    store = LeaseStore(client, "a", 10_000)
+    place = Want(KEYS.tenant_places("acme"), tenant_limit, KEYS.freed_channel("acme"))
+    seat = Want(SEATS, seat_limit, CHANNEL)
+    answer = await acquire_pair(store, place, seat)
+    assert isinstance(answer, Refused) and answer.which == refused
+    assert await store.held(place.key) == 0 and await store.held(SEATS) == 0
+    both = await acquire_pair(store, Want(place.key, 1, place.channel), Want(SEATS, 1, CHANNEL))
+    assert isinstance(both, tuple)
+    assert await store.held(place.key) == 1 and await store.held(SEATS) == 1
+
+
+class _SecondCallFails(LeaseStore):
+    """A real store whose second acquire finds Redis gone (as if it died in between)."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, client: StateClient) -> None:
+        super().__init__(client, "a", 10_000)
+        self.calls = 0
+
+    async def acquire(self, key: str, limit: int, channel: str) -> Lease | Full:
+        self.calls += 1
+        if self.calls == 2:
+            raise StateDown("down", on_failure="reject", instances=1)
+        return await super().acquire(key, limit, channel)
+
+
+async def test_pair_compensates_when_redis_fails_in_between(client: StateClient) -> None:
+    """The seat call fails (StateDown): the tenant place taken first is given back."""
+    store = _SecondCallFails(client)
+    place = Want(KEYS.tenant_places("acme"), 1, KEYS.freed_channel("acme"))
+    with pytest.raises(StateDown):
+        await acquire_pair(store, place, Want(SEATS, 1, CHANNEL))
+    assert store.calls == 2
+    assert await store.held(place.key) == 0
+
+
+async def test_subscriber_comes_back_after_a_redis_restart(
+    redis_server: RedisServer, client: StateClient
+) -> None:
+    """Redis restarted: the listener resubscribes by itself, first waking every waiter
+    (a release may have gone by unheard), then hears releases again."""
+    heard: list[str] = []
+    listener = FreedListener(redis_server.url, [CHANNEL], heard.append, connect_timeout_s=5)
+    task = asyncio.create_task(listener.run())
+    try:
+        async with asyncio.timeout(20):
+            await listener.subscribed.wait()
+        assert heard == [CHANNEL]  # the resync call of the first subscription
+        redis_server.stop()
+        async with asyncio.timeout(20):
+            while listener.subscribed.is_set():
+                await asyncio.sleep(0.01)
+        redis_server.start()
+        async with asyncio.timeout(20):
+            await listener.subscribed.wait()
+        assert listener.subscriptions == 2 and heard == [CHANNEL, CHANNEL]
+        store = LeaseStore(client, "a", 10_000)
+        lease = await store.acquire(SEATS, 1, CHANNEL)
+        assert isinstance(lease, Lease) and await store.release(lease)
+        async with asyncio.timeout(20):
+            while len(heard) < 3:
+                await asyncio.sleep(0.01)
+        assert heard == [CHANNEL] * 3
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

@@ -1,0 +1,178 @@
+"""Buckets, retry budget, instances and failure handling on a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.exceptions
+
+from proxy.clock import FakeClock
+from proxy.quotas import TokenBucket
+from proxy.retries import RetryBudget
+from proxy.settings import StateConfig
+from proxy.state.buckets import SharedBuckets
+from proxy.state.client import StateClient, StateDown
+from proxy.state.instances import InstanceRegistry
+from proxy.state.keys import StateKeys
+from proxy.state.leases import Full, Lease, LeaseStore
+from proxy.state.quota import Charge, QuotaLimits
+from proxy.state.quota_redis import RedisTokenQuotas
+from proxy.state.retry_budget import SharedRetryBudget
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+KEYS = StateKeys("admission:")
+
+
+def _config(server: RedisServer, timeout_ms: int = 2000) -> StateConfig:
+    return StateConfig(backend="redis", redis_url=server.url, timeout_ms=timeout_ms)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(start=1_000_000.0)
+
+
+@pytest.fixture
+async def timed(redis_server: RedisServer, clock: FakeClock) -> AsyncIterator[StateClient]:
+    """A client whose scripts run on the test clock instead of server time."""
+    client = StateClient(_config(redis_server), clock=clock)
+    yield client
+    await client.aclose()
+
+
+async def test_bucket_answers_like_the_local_one(timed: StateClient, clock: FakeClock) -> None:
+    """rate 2/s, burst 3: the same sequence of waits as proxy/quotas.py's TokenBucket."""
+    shared, local = SharedBuckets(timed, KEYS), TokenBucket(2, 3, clock)
+    for step in [0, 0, 0, 0, 0.25, 0.25, 0.5, 2, 0, 0, 0, 0]:
+        clock.advance(step)
+        assert await shared.try_take("acme", 2, 3) == pytest.approx(local.try_take())
+
+
+async def test_bucket_admits_its_rate_in_total_across_clients(redis_server: RedisServer) -> None:
+    """20 clients with their own pools take at once from a burst of 5 (slow refill): 5 win."""
+    clients = [StateClient(_config(redis_server)) for _ in range(20)]
+    try:
+        waits = await asyncio.gather(
+            *(SharedBuckets(c, KEYS).try_take("acme", 0.001, 5) for c in clients)
+        )
+        assert sum(w == 0 for w in waits) == 5
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_retry_budget_answers_like_the_local_one(
+    timed: StateClient, clock: FakeClock
+) -> None:
+    """ratio 0.5, floor 0.1/s over 10 s: spends and refusals match proxy/retries.py's budget."""
+    shared, local = SharedRetryBudget(timed, KEYS), RetryBudget(0.5, 0.1, clock)
+    outcomes: list[tuple[bool, bool]] = []
+    for second in range(25):
+        clock.advance(1 if second else 0.5)
+        for _ in range(2 if second < 5 else 0):
+            await shared.record_request()
+            local.record_request()
+        for _ in range(3):
+            wait = await shared.try_spend(0.5, 0.1)
+            spent = local.try_spend()
+            outcomes.append((wait == 0, spent))
+            if not spent:
+                assert wait == pytest.approx(local.refill_in())
+    assert all(a == b for a, b in outcomes)
+    assert any(s for s, _ in outcomes) and not all(s for s, _ in outcomes)
+
+
+async def test_instances_count_heartbeats_until_they_stop(
+    timed: StateClient, clock: FakeClock
+) -> None:
+    a = InstanceRegistry(timed, KEYS, "pod-a", 3000)
+    b = InstanceRegistry(timed, KEYS, "pod-b", 3000)
+    assert await a.heartbeat() == 1
+    assert await b.heartbeat() == 2 and timed.instances == 2
+    clock.advance(2)
+    assert await a.heartbeat() == 2
+    clock.advance(2)  # pod-b silent for 4 s > 3 s
+    assert await a.heartbeat() == 1
+    assert await a.leave() == 0 and timed.instances == 1
+
+
+async def test_redis_down_fails_fast_then_comes_back(redis_server: RedisServer) -> None:
+    """Redis killed: calls raise StateDown within a bounded time, the state goes down once;
+    restarted (empty, no scripts cached): the next call reloads its script and goes up."""
+    changes: list[bool] = []
+    config = StateConfig(
+        backend="redis", redis_url=redis_server.url, timeout_ms=200, on_failure="local_share"
+    )
+    client = StateClient(config, on_change=lambda up, _exc: changes.append(up))
+    client.instances = 3
+    store = LeaseStore(client, "a", 10_000)
+    seats = KEYS.seats("gpu-0")
+    try:
+        lease = await store.acquire(seats, 2, "c")
+        assert isinstance(lease, Lease)
+        redis_server.stop()
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(StateDown) as caught:
+                await store.acquire(seats, 2, "c")
+            assert time.monotonic() - started < 5  # generous bound around timeout_ms=200
+        assert caught.value.on_failure == "local_share"
+        assert caught.value.local_seats(8) == 2 and caught.value.local_share(6.0) == 2.0
+        assert changes == [False] and client.errors == 2 and not client.up
+        redis_server.start()
+        # A lease taken before the restart is simply gone: nothing double-counted.
+        assert not await store.release(lease)
+        assert changes == [False, True] and client.up
+        assert await store.held(seats) == 0
+        assert isinstance(await store.acquire(seats, 1, "c"), Lease)
+        assert isinstance(await store.acquire(seats, 1, "c"), Full)
+    finally:
+        await client.aclose()
+
+
+async def test_slow_redis_counts_as_a_failure(redis_server: RedisServer) -> None:
+    """A script slower than timeout_ms raises StateDown; the reject mode says so."""
+    config = StateConfig(
+        backend="redis", redis_url=redis_server.url, timeout_ms=100, on_failure="reject"
+    )
+    client = StateClient(config)
+    # Busy for one full second of server time (microseconds: not just a change of second).
+    slow = """
+    local function us() local t = redis.call('TIME') return t[1] * 1000000 + t[2] end
+    local start = us()
+    while us() - start < 1000000 do end
+    """
+    try:
+        with pytest.raises(StateDown) as caught:
+            await client.run(slow + " return 1", ["admission:{x}:slow"], [])
+        assert caught.value.on_failure == "reject" and not client.up
+        assert isinstance(caught.value.__cause__, (TimeoutError, redis.exceptions.TimeoutError))
+    finally:
+        await client.aclose()
+
+
+async def test_scripts_load_again_after_the_cache_is_flushed(timed: StateClient) -> None:
+    """SCRIPT FLUSH (what a restart does): the next call gets NOSCRIPT, loads, succeeds."""
+    buckets = SharedBuckets(timed, KEYS)
+    assert await buckets.try_take("acme", 1, 2) == 0
+    await timed.redis.script_flush()
+    assert await buckets.try_take("acme", 1, 2) == 0
+    assert await buckets.try_take("acme", 1, 2) == pytest.approx(1.0)
+    assert timed.up and timed.errors == 0
+
+
+async def test_day_counter_expires_an_hour_after_its_day(
+    timed: StateClient, clock: FakeClock
+) -> None:
+    """The per-day key lives until an hour past the UTC midnight that ends its day."""
+    quotas = RedisTokenQuotas(timed, KEYS)
+    assert isinstance(await quotas.charge("acme", 10, QuotaLimits(per_day=100)), Charge)
+    now = clock.now()
+    expected_ms = ((now // 86_400 + 1) * 86_400 - now + 3_600) * 1000
+    ttl_ms = await timed.redis.pttl(KEYS.quota_day("acme"))
+    assert expected_ms - 10_000 < ttl_ms <= expected_ms
