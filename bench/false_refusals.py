@@ -19,6 +19,10 @@ queue budget. Scenarios: a burst after a quiet period and a replica loss
 (the issue's reproduction, time compressed), 1x load with 3x service-time
 variation, and a replica lost under steady load.
 
+The same arrivals also go through the dispatcher alone on a fake clock
+(``bench.false_refusals_virtual``), where only the estimator differs between
+the three.
+
     python -m bench.false_refusals [--quick] [--output PATH]
 
 Every loop is bounded: arrivals stop at the schedule's end, each request has
