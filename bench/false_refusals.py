@@ -19,6 +19,10 @@ queue budget. Scenarios: a burst after a quiet period and a replica loss
 (the issue's reproduction, time compressed), 1x load with 3x service-time
 variation, and a replica lost under steady load.
 
+The same arrivals also go through the dispatcher alone on a fake clock
+(``bench.false_refusals_virtual``), where only the estimator differs between
+the three.
+
     python -m bench.false_refusals [--quick] [--output PATH]
 
 Every loop is bounded: arrivals stop at the schedule's end, each request has
@@ -146,7 +150,7 @@ def variation_1x(quick: bool, seed: int, seat_s: float) -> Scenario:
     """Three tenants, together at the seats' capacity, service times from 5 to 15
     tokens (3x); ``seat_s``: the measured seat time of the mean, 10 tokens."""
     rng = random.Random(f"variation:{seed}")
-    seconds = 4.0 if quick else 20.0
+    seconds = 3.0 if quick else 20.0
     capacity = round(2 * SEATS / seat_s, 1)
     arrivals = [
         Arrival(t, rng.randrange(3), rng.randint(5, 15)) for t in _poisson(rng, capacity, seconds)
@@ -164,7 +168,7 @@ def variation_1x(quick: bool, seed: int, seat_s: float) -> Scenario:
 def replica_loss(quick: bool, seed: int, seat_s: float) -> Scenario:
     """Two tenants at 0.7x of two replicas; one replica is killed a third of the way in."""
     rng = random.Random(f"loss:{seed}")
-    seconds = 4.0 if quick else 20.0
+    seconds = 3.0 if quick else 20.0
     rate = round(0.7 * 2 * SEATS / seat_s, 1)
     arrivals = [Arrival(t, rng.randrange(2), 10) for t in _poisson(rng, rate, seconds)]
     return Scenario(

@@ -93,7 +93,8 @@ class Dispatcher:
         self._inflight: dict[str, int] = {}
         self._predictive_rejection = predictive_rejection
         self._seat_time = SeatTime()
-        #: When each running request got its seat, and where (for the release times).
+        #: When each running request got its seat, and where (for the release
+        #: times; a retry's new seat keeps its first entry, a close enough guess).
         self._running: dict[int, tuple[float, Replica]] = {}
         self._recent = RecentDispatches()
         self._usage = RecentUsage()
@@ -372,8 +373,8 @@ class Dispatcher:
         too fast whenever the others' queues happened to be empty. The queue
         as a whole drains at the capacity less everything the others take.
         Neither falls below the flow's share if every recently active tenant
-        were backlogged too (each counted as one more flow of its weight):
-        that much fair queuing guarantees it. A tenant with a concurrency cap
+        were backlogged too (each counted as one more flow of this flow's
+        weight): that much fair queuing guarantees it. A tenant with a concurrency cap
         drains no faster than its cap turns over.
         """
         capacity = self._capacity(now)

@@ -120,10 +120,6 @@ class RecentDispatches:
         counter.value = counter.read(now) + 1.0
         self._fleet.value = self._fleet.read(now) + 1.0
 
-    def per_second(self, now: float) -> float:
-        """The fleet's recent dispatch rate."""
-        return self._fleet.read(now) / RECENT_TAU_S
-
     def others_per_second(self, tenant: str, now: float) -> float:
         """The recent dispatch rate of every tenant but ``tenant``."""
         counter = self._tenants.get(tenant)

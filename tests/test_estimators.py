@@ -36,11 +36,12 @@ def test_recent_dispatches_reach_the_steady_rate_and_forget_a_pause() -> None:
     for _ in range(600):
         now += 0.1
         recent.record("a", now)
-    assert recent.per_second(now) == pytest.approx(10.0, rel=0.05)
     assert recent.others_per_second("b", now) == pytest.approx(10.0, rel=0.05)
     assert recent.others_per_second("a", now) == pytest.approx(0.0, abs=1e-9)
+    assert recent.active(now) == ["a"]
     later = now + 30 * RECENT_TAU_S
-    assert recent.per_second(later) < 1e-6
+    assert recent.others_per_second("b", later) < 1e-6
+    assert recent.active(later) == []
     recent.forget_idle(later)
     assert len(recent) == 0
 
