@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Container, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from proxy.errors import BadRequest, ModelNotAllowed, ModelNotFound, Rejected
 
@@ -123,6 +123,16 @@ def alias_problems(
     return problems
 
 
+class ServesModels(Protocol):
+    """What the table needs of a replica's config (``settings.ReplicaConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def models(self) -> tuple[str, ...] | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PoolChoice:
     """The pool a request goes to: the served model and the replicas that serve it."""
@@ -162,6 +172,13 @@ class ModelTable:
             name: frozenset(models or ()) for name, models in replicas.items()
         }
         self._aliases = dict(aliases)
+
+    @classmethod
+    def from_config(
+        cls, replicas: Iterable[ServesModels], aliases: Mapping[str, str]
+    ) -> ModelTable:
+        """The table of a config's ``replicas`` and ``model_aliases``, before any discovery."""
+        return cls({replica.name: replica.models for replica in replicas}, aliases)
 
     def __repr__(self) -> str:
         pools = ", ".join(

@@ -16,6 +16,7 @@ from proxy.models import (
     parse_model_list,
     parse_tgi_info,
 )
+from proxy.settings import config_from_mapping
 
 #: vLLM with ``--enable-lora --lora-modules sql-lora=...``: the adapter is listed with its parent.
 VLLM_WITH_LORA = {
@@ -303,3 +304,23 @@ def test_list_response_is_openai_format() -> None:
         ],
     }
     assert parse_model_list(json.dumps(body)) == frozenset({"gpt-4o-mini", "llama-8b"})
+
+
+def test_table_from_config() -> None:
+    """A config with one static and one discovering replica and an alias: the static replica
+    is in its pool at once, the other in none until discovered."""
+    config = config_from_mapping(
+        {
+            "replicas": [
+                {"name": "a", "url": "http://h:1", "max_concurrency": 1, "models": ["llama-8b"]},
+                {"name": "b", "url": "http://h:2", "max_concurrency": 1},
+            ],
+            "model_aliases": {"mini": "llama-8b"},
+            "tenants": {"acme": {"api_keys": ["k"]}},
+        }
+    )
+    table = ModelTable.from_config(config.replicas, config.model_aliases)
+    assert table.select("mini", allowed=None) == PoolChoice("llama-8b", frozenset({"a"}))
+    assert table.models_of("b") == frozenset()
+    assert table.update("b", frozenset({"llama-8b"})) is True
+    assert table.pool("llama-8b") == frozenset({"a", "b"})
