@@ -12,6 +12,8 @@ translates aiohttp's client errors into them.
     │   ├── Unauthenticated            401 unauthenticated
     │   ├── PriorityNotAllowed         403 priority_not_allowed
     │   ├── RouteNotAllowed            404 route_not_allowed
+    │   ├── ModelNotFound              404 model_not_found
+    │   ├── ModelNotAllowed            403 model_not_allowed
     │   ├── NotFound                   404 not_found (reserved paths)
     │   ├── MethodNotAllowed           405 method_not_allowed (reserved paths)
     │   ├── BodyTooLarge               413 body_too_large
@@ -91,6 +93,20 @@ class RouteNotAllowed(Rejected):
 
     status = 404
     reason = "route_not_allowed"
+
+
+class ModelNotFound(Rejected):
+    """A body's ``model`` that no replica serves, alias resolved (models.py)."""
+
+    status = 404
+    reason = "model_not_found"
+
+
+class ModelNotAllowed(Rejected):
+    """A served model outside the tenant's ``allowed_models``."""
+
+    status = 403
+    reason = "model_not_allowed"
 
 
 class NotFound(Rejected):

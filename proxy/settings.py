@@ -32,6 +32,10 @@ Choices the contract left open:
   not only each alone: the total must also leave the generation some time;
 - ``routes`` entries are normalised path prefixes (``paths.route_problem``);
   a reserved path as an entry, or no entry at all, is an error.
+- ``model_aliases`` are one step (an alias naming an alias is an error); when
+  every replica lists ``models``, a target must be one of them and an alias may
+  not shadow one; with discovery, targets may appear later (``models.py``). A
+  replica's ``models`` is null (discover) or a non-empty list without repeats.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from proxy.config_errors import (
 )
 from proxy.config_errors import hash_api_key as hash_api_key
 from proxy.config_errors import stored_key_digest as stored_key_digest
+from proxy.models import alias_problems
 from proxy.paths import route_problem
 from proxy.tls import TLS_KEYS, TlsFileError, load_context
 
@@ -168,6 +173,17 @@ _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 ]
+#: A model or adapter name as engines spell it ("meta-llama/Llama-3.1-8B", a GGUF
+#: path): anything non-empty without surrounding whitespace.
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S(.*\S)?$")]
+#: An HTTP header name (an RFC 9110 token).
+HeaderName = Annotated[str, StringConstraints(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")]
+
+#: Model pools and routing within a pool (docs/REFERENCE.md, Model pools).
+DEFAULT_ROUTING_POLICY: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
+DEFAULT_AFFINITY_PREFIX_CHARS = 2_048
+DEFAULT_AFFINITY_HEADER = "X-Session-Id"
+DEFAULT_MAX_LOAD_FACTOR = 1.25
 
 
 def _check_http_url(value: str) -> str:
@@ -261,6 +277,21 @@ class ReplicaConfig(_Section):
     cert_file: str | None = None
     key_file: str | None = None
     gpu_index: int | None = Field(default=None, ge=0)
+    #: Names this replica serves (base models and LoRA adapters); ``None``:
+    #: discovered from its ``GET /v1/models`` at warm-up and on every probe.
+    models: tuple[ModelName, ...] | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, models: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if models is None:
+            return None
+        if not models:
+            raise rule("list at least one model, or null to discover them from /v1/models")
+        repeated = sorted({m for m in models if models.count(m) > 1})
+        if repeated:
+            raise rule(f"model listed twice: {', '.join(repeated)}")
+        return models
 
     @model_validator(mode="after")
     def _check_tls(self) -> ReplicaConfig:
@@ -277,6 +308,18 @@ class ReplicaConfig(_Section):
         except TlsFileError as exc:
             raise rule_violations(type(self).__name__, [((exc.key,), str(exc))]) from None
         return self
+
+
+class RoutingConfig(_Section):
+    """How a request picks a replica within its model's pool."""
+
+    policy: Literal["least_loaded", "prefix_affinity"] = DEFAULT_ROUTING_POLICY
+    #: ``prefix_affinity``: leading characters of the prompt that are hashed.
+    affinity_prefix_chars: int = Field(default=DEFAULT_AFFINITY_PREFIX_CHARS, gt=0)
+    #: A client header that, when present, is the affinity key instead of the prompt.
+    affinity_header: HeaderName = DEFAULT_AFFINITY_HEADER
+    #: Bounded load: a replica above this times its pool's mean load is skipped.
+    max_load_factor: float = Field(default=DEFAULT_MAX_LOAD_FACTOR, ge=1.0)
 
 
 class HealthConfig(_Section):
@@ -419,6 +462,8 @@ class TenantConfig(_Section):
     rate_per_s: float | None = Field(default=None, gt=0)
     burst: float | None = Field(default=None, ge=1)
     budgets: BudgetOverrides = BudgetOverrides()
+    #: Models (or aliases) this tenant may use; ``None``: every model.
+    allowed_models: tuple[ModelName, ...] | None = None
 
     @model_validator(mode="after")
     def _check_burst_has_rate(self) -> TenantConfig:
@@ -489,6 +534,9 @@ class Config(BaseSettings):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
     replicas: tuple[ReplicaConfig, ...]
+    #: Client-facing name -> served model; upstream gets the target.
+    model_aliases: dict[ModelName, ModelName] = Field(default_factory=dict)
+    routing: RoutingConfig = RoutingConfig()
     health: HealthConfig = HealthConfig()
     warmup: WarmupConfig = WarmupConfig()
     saturation: SaturationConfig = SaturationConfig()
@@ -533,6 +581,22 @@ class Config(BaseSettings):
         if problems:
             raise rule_violations("replicas", problems)
         return replicas
+
+    @field_validator("model_aliases")
+    @classmethod
+    def _check_model_aliases(cls, aliases: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        """One-step aliases; targets must be served when every replica lists ``models``.
+
+        Skipped against the replicas when they failed their own validation.
+        """
+        replicas: tuple[ReplicaConfig, ...] | None = info.data.get("replicas")
+        static: set[str] | None = None
+        if replicas and all(replica.models is not None for replica in replicas):
+            static = {model for replica in replicas for model in replica.models or ()}
+        problems = alias_problems(aliases, static)
+        if problems:
+            raise rule_violations("model_aliases", problems)
+        return aliases
 
     @field_validator("priorities")
     @classmethod

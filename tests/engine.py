@@ -22,7 +22,7 @@ import pytest
 
 from scripts.real_engine import Engine, MissingToolchain, ensure
 
-#: The model name the servers answer to (``-a``).
+#: The model name the servers answer to (``--alias``), unless a test names another.
 MODEL = "tiny"
 #: A server that is not healthy by then failed to start.
 START_TIMEOUT_S = 60.0
@@ -47,9 +47,12 @@ class LlamaServer:
         parallel: int,
         threads: int = 1,
         model: Path | None = None,
+        alias: str = MODEL,
     ) -> None:
         self.engine = engine
         self.model = model or engine.model
+        #: The name the server lists in ``/v1/models`` and answers to (``--alias``).
+        self.alias = alias
         self.name = name
         self.parallel = parallel
         self.threads = threads
@@ -73,7 +76,7 @@ class LlamaServer:
             "-t", str(self.threads),
             "--metrics",
             "--no-webui",
-            "-a", MODEL,
+            "--alias", self.alias,
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

@@ -45,6 +45,8 @@ REFERENCE_KEY_ORDER = [
     "server",
     "admin",
     "replicas",
+    "model_aliases",
+    "routing",
     "health",
     "warmup",
     "saturation",
@@ -323,6 +325,71 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         {"retry.max_backoff_ms": "below base_backoff_ms"},
     ),
     ("state backend", {"state": {"backend": "etcd"}}, {"state.backend": "'local' or 'redis'"}),
+    (
+        "replica models empty",
+        {"replicas": [{**BASE["replicas"][0], "models": []}]},
+        {"replicas[0].models": "at least one model, or null"},
+    ),
+    (
+        "replica model listed twice",
+        {"replicas": [{**BASE["replicas"][0], "models": ["a", "b", "a"]}]},
+        {"replicas[0].models": "model listed twice: a"},
+    ),
+    (
+        "replica model name with spaces around",
+        {"replicas": [{**BASE["replicas"][0], "models": [" a"]}]},
+        {"replicas[0].models[0]": "match pattern"},
+    ),
+    ("routing policy", {"routing": {"policy": "random"}}, {"routing.policy": "'least_loaded' or"}),
+    (
+        "routing prefix chars",
+        {"routing": {"affinity_prefix_chars": 0}},
+        {"routing.affinity_prefix_chars": "greater than 0"},
+    ),
+    (
+        "routing load factor below one",
+        {"routing": {"max_load_factor": 0.9}},
+        {"routing.max_load_factor": "greater than or equal to 1"},
+    ),
+    (
+        "routing header not a header name",
+        {"routing": {"affinity_header": "X Session"}},
+        {"routing.affinity_header": "match pattern"},
+    ),
+    ("routing unknown key", {"routing": {"policy_x": 1}}, {"routing.policy_x": "unknown key"}),
+    (
+        "alias chain",
+        {"model_aliases": {"mini": "small", "small": "llama-8b"}},
+        {"model_aliases.mini": "'small' is itself an alias"},
+    ),
+    ("alias to itself", {"model_aliases": {"m": "m"}}, {"model_aliases.m": "may not name itself"}),
+    (
+        "alias target not served by static replicas",
+        {
+            "replicas": [{**BASE["replicas"][0], "models": ["llama-8b"]}],
+            "model_aliases": {"mini": "llama-70b"},
+        },
+        {"model_aliases.mini": "'llama-70b' is not served by any replica (models listed"},
+    ),
+    (
+        "alias shadows a static model",
+        {
+            "replicas": [{**BASE["replicas"][0], "models": ["llama-8b", "qwen"]}],
+            "model_aliases": {"qwen": "llama-8b"},
+        },
+        {"model_aliases.qwen": "shadows a model a replica lists"},
+    ),
+    ("alias empty target", {"model_aliases": {"m": ""}}, {"model_aliases.m": "at least 1"}),
+    (
+        "allowed model empty",
+        {"tenants": {"acme": {"allowed_models": ["llama-8b", ""]}}},
+        {"tenants.acme.allowed_models[1]": "at least 1 character"},
+    ),
+    (
+        "allowed models not a list",
+        {"tenants": {"acme": {"allowed_models": "llama-8b"}}},
+        {"tenants.acme.allowed_models": "valid"},
+    ),
     (
         "state failure mode",
         {"state": {"on_failure": "allow"}},
@@ -759,3 +826,64 @@ def test_state_section_takes_redis_urls(url: str) -> None:
         "reject",
     )
     assert _parse().state.backend == "local"
+
+
+# --- model pools and routing ---------------------------------------------------
+
+
+def test_model_pool_keys_default_to_discovery_and_least_loaded() -> None:
+    """A minimal config: replicas discover their models, no aliases, least-loaded routing with
+    the documented affinity defaults, and every tenant may use every model."""
+    config = _parse()
+    assert config.replicas[0].models is None
+    assert config.model_aliases == {}
+    assert (
+        config.routing.policy,
+        config.routing.affinity_prefix_chars,
+        config.routing.affinity_header,
+        config.routing.max_load_factor,
+    ) == ("least_loaded", 2048, "X-Session-Id", 1.25)
+    assert config.tenants["acme"].allowed_models is None
+
+
+def test_model_pool_keys_are_kept_as_written() -> None:
+    """Static models (an HF id and a LoRA adapter), an alias, affinity routing and a tenant's
+    allow-list that names the alias: all kept verbatim."""
+    replicas = [{**BASE["replicas"][0], "models": ["meta-llama/Llama-3.1-8B", "sql-lora"]}]
+    config = _parse(
+        {
+            "replicas": replicas,
+            "model_aliases": {"gpt-4o-mini": "meta-llama/Llama-3.1-8B"},
+            "routing": {"policy": "prefix_affinity", "affinity_header": "X-Conversation"},
+            "tenants": {"acme": {"allowed_models": ["gpt-4o-mini", "sql-lora"]}},
+        }
+    )
+    assert config.replicas[0].models == ("meta-llama/Llama-3.1-8B", "sql-lora")
+    assert config.model_aliases == {"gpt-4o-mini": "meta-llama/Llama-3.1-8B"}
+    assert config.routing.policy == "prefix_affinity"
+    assert config.routing.affinity_header == "X-Conversation"
+    assert config.tenants["acme"].allowed_models == ("gpt-4o-mini", "sql-lora")
+
+
+def test_alias_target_may_be_discovered_later() -> None:
+    """One replica discovers its models: an alias to a name no replica lists is accepted,
+    since the discovering replica may serve it."""
+    replicas = [
+        {**BASE["replicas"][0], "models": ["llama-8b"]},
+        {"name": "gpu-1", "url": "http://127.0.0.1:9002", "max_concurrency": 4},
+    ]
+    config = _parse({"replicas": replicas, "model_aliases": {"mini": "qwen-7b"}})
+    assert config.model_aliases == {"mini": "qwen-7b"}
+
+
+def test_alias_chain_reported_even_when_replicas_are_invalid() -> None:
+    """A bad replica and an alias chain in one file: both problems reported at their paths."""
+    issues = _issues(
+        _text(
+            {
+                "replicas": [{**BASE["replicas"][0], "url": "ftp://h"}],
+                "model_aliases": {"a": "b", "b": "c"},
+            }
+        )
+    )
+    assert set(issues) == {"replicas[0].url", "model_aliases.a"}
