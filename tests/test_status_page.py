@@ -110,11 +110,15 @@ async def traffic(url: str, key: str, count: int) -> None:
 async def test_page_shows_tenants_replicas_traffic_ejection_and_drains(
     start_proxy: Start, sims: list[SimServer], driver: Driver
 ) -> None:
-    """Loopback, no token: the page lists both tenants and replicas, shows the
-    traffic it is sent, shows a replica whose port went away as ejected, and its
-    Drain button (a real button, pressed with the keyboard) drains a replica,
-    with no console error along the way."""
-    proxy = await start_proxy(make_config([s.url for s in sims], health=HEALTH))
+    """Loopback, no token: the page lists both tenants and replicas with their
+    engine readings, shows the traffic it is sent, shows a replica whose port
+    went away as ejected, and its Drain button (a real button, pressed with the
+    keyboard) drains a replica, with no console error along the way."""
+    replicas = [
+        {"name": f"r{i}", "url": s.url, "max_concurrency": 4, "metrics_url": s.url + "/metrics"}
+        for i, s in enumerate(sims)
+    ]
+    proxy = await start_proxy(make_config([], health=HEALTH, replicas=replicas))
     await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas), timeout_s=10)
     await asyncio.to_thread(driver.get, proxy.url + "/admin/ui")
 
@@ -125,6 +129,8 @@ async def test_page_shows_tenants_replicas_traffic_ejection_and_drains(
         assert cell(driver, f'tr[data-replica="{replica}"] td.state') == "serving"
     assert cell(driver, 'tr[data-tenant="a"] td.goodput') == "–"
     assert not driver.find_element(By.ID, "login").is_displayed()  # no token needed
+    # The engines' own metrics, as the health loop last read them.
+    await until(driver, lambda d: cell(d, 'tr[data-replica="r0"] td.engine').startswith("waiting"))
 
     # Traffic starts: the history the page reads counts it, and the page shows it.
     await traffic(proxy.url, KEY_A, 12)
