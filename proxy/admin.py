@@ -24,11 +24,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.entrance import bearer_token, error_answer, request_id_of
-from proxy.errors import InternalError, MethodNotAllowed, NotFound, ProxyError, Unauthenticated
-from proxy.keys import RUNTIME
+from proxy.errors import (
+    BadRequest,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    ProxyError,
+    Unauthenticated,
+)
+from proxy.keys import HISTORY, RUNTIME
 from proxy.runtime import Runtime
 from proxy.settings import dump_effective_config
 from proxy.telemetry.metrics import StateCollector, StateSnapshot
+from proxy.ui import add_ui_routes
 
 log = structlog.get_logger(__name__)
 ReservedHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -36,6 +44,7 @@ ReservedHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ADMIN_METHODS: dict[str, tuple[str, ...]] = {
     "config": ("GET",),
     "state": ("GET",),
+    "history": ("GET",),
     "reload": ("POST",),
 }
 REPLICA_ACTIONS = ("drain", "undrain")
@@ -126,6 +135,13 @@ async def admin(request: web.Request) -> web.StreamResponse:
         return web.Response(text=text, content_type="application/yaml")
     if request.method == "GET" and action == "state":
         return web.json_response(admin_state(runtime))
+    if request.method == "GET" and action == "history":
+        since = request.query.get("since")
+        try:
+            after = float(since) if since is not None else None
+        except ValueError:
+            raise BadRequest("since: a number (the t of the last point seen)") from None
+        return web.json_response(request.app[HISTORY].since(after))
     if request.method == "POST" and action == "reload":
         if runtime.reloader is None:
             return web.json_response(
@@ -182,6 +198,18 @@ def _engine_state(runtime: Runtime, name: str) -> dict[str, float | None] | None
     return {"waiting": reading.waiting, "running": reading.running, "kv_cache": reading.kv_cache}
 
 
+def _gpu_state(runtime: Runtime, index: int | None) -> dict[str, float] | None:
+    """The replica's GPU (``gpu_index``, sidecar mode) as last sampled, None when unknown."""
+    reading = runtime.gpu.snapshot.get(index) if index is not None else None
+    if reading is None:
+        return None
+    return {
+        "utilization": reading.utilization,
+        "memory_used": reading.memory_used,
+        "memory_total": reading.memory_total,
+    }
+
+
 def admin_state(runtime: Runtime) -> dict[str, object]:
     dispatcher = runtime.dispatcher
     tenants = {
@@ -205,11 +233,13 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
             "draining": r.draining,
             "warming": r.warming,
             "starting": r.starting,
+            "state": r.state,
             "saturated": r.saturated,
             "gpu_guarded": r.gpu_guarded,
             "consecutive_failures": r.failures,
             "probe_error": r.probe_error,
             "engine": _engine_state(runtime, r.name),
+            "gpu": _gpu_state(runtime, r.config.gpu_index),
         }
         for r in runtime.pool.replicas
     }
@@ -230,4 +260,5 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_route("*", "/healthz", reserved_path(healthz, get))
     app.router.add_route("*", "/readyz", reserved_path(readyz, get))
     app.router.add_route("*", "/metrics", reserved_path(metrics, get))
+    add_ui_routes(app, reserved_path, lambda request: _authorized(request, request.app[RUNTIME]))
     app.router.add_route("*", "/admin/{action:.*}", reserved_path(admin, None))

@@ -24,7 +24,7 @@ from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
 from proxy.entrance import handle
 from proxy.health import Health
-from proxy.keys import RUNTIME
+from proxy.keys import HISTORY, RUNTIME
 from proxy.quotas import EntranceQuotas
 from proxy.reload import Reloader
 from proxy.replicas import Replica, ReplicaPool
@@ -35,6 +35,7 @@ from proxy.settings import Config
 from proxy.tasks import stop
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import GpuProbe, GpuSampler, NvmlProbe
+from proxy.telemetry.history import History, history_loop
 from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
 from proxy.telemetry.tracing import Tracing, provider_from_env
@@ -199,6 +200,8 @@ def build_app(
     app.cleanup_ctx.append(upstream_session)
     app.cleanup_ctx.append(health_loop)
     app.cleanup_ctx.append(config_watcher)
+    app[HISTORY] = history = History(runtime.clock)
+    app.cleanup_ctx.append(history_loop(history, runtime))
     add_admin_routes(app)
     app.router.add_route("*", "/{tail:.*}", handle)
     return app

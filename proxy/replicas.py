@@ -116,6 +116,14 @@ class Replica:
         return self.dispatchable and self.inflight < self.limit + self.headroom
 
     @property
+    def state(self) -> str:
+        """One word for operators: the first of its flags that holds, else serving."""
+        for flag in ("ejected", "starting", "draining", "warming"):
+            if getattr(self, flag):
+                return flag
+        return "serving"
+
+    @property
     def load(self) -> float:
         return self.inflight / self.limit
 

@@ -112,6 +112,10 @@ class CounterFamily(_Family):
             child = self._children[values] = CounterChild()
         return child
 
+    def series(self) -> list[tuple[tuple[str, ...], CounterChild]]:
+        """Every labelled series so far (a copy: safe to read while requests add more)."""
+        return list(self._children.items())
+
     def collect(self) -> Iterable[Metric]:
         metric = Metric(self.name, self.documentation, self._type)
         for values, child in list(self._children.items()):
@@ -151,6 +155,10 @@ class HistogramFamily(_Family):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
             child = self._children[values] = HistogramChild(self.bounds)
         return child
+
+    def series(self) -> list[tuple[tuple[str, ...], HistogramChild]]:
+        """Every labelled series so far (a copy: safe to read while requests add more)."""
+        return list(self._children.items())
 
     def collect(self) -> Iterable[Metric]:
         metric = Metric(self.name, self.documentation, self._type)
