@@ -26,7 +26,7 @@ Every scenario through the proxy runs twice, in two configurations, each
 twin right after its plain one: "no headroom" (seats at the knee only, the
 config of the earlier runs) and "with headroom", where each replica offers
 ``--headroom`` seats above its knee (default 4) that only a tenant below its
-fair share may take (``proxy/usage.py``); ``--tenant-cap N`` adds the same
+fair share may take (``RecentUsage`` in ``proxy/estimators.py``); ``--tenant-cap N`` adds the same
 ``max_concurrency`` for every tenant to that second configuration. The
 simulated engines have room for the headroom in both configurations
 (``SLOTS + headroom`` slots each), as a vLLM engine has far more sequence

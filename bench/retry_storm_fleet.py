@@ -34,9 +34,8 @@ from aiohttp import web
 
 from bench.common import scrubbed_env
 from proxy.app import build_app
-from proxy.keys import RUNTIME
 from proxy.lifecycle import bound_port
-from proxy.runtime import Runtime
+from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Config
 
 ROOT = Path(__file__).resolve().parent.parent

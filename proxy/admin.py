@@ -25,8 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.entrance import bearer_token, error_answer, request_id_of
 from proxy.errors import InternalError, MethodNotAllowed, NotFound, ProxyError, Unauthenticated
-from proxy.keys import RUNTIME
-from proxy.runtime import Runtime
+from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import dump_effective_config
 from proxy.telemetry.metrics import StateCollector, StateSnapshot
 

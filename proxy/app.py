@@ -24,12 +24,11 @@ from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
 from proxy.entrance import handle
 from proxy.health import Health
-from proxy.keys import RUNTIME
 from proxy.quotas import EntranceQuotas
 from proxy.reload import Reloader
 from proxy.replicas import Replica, ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
-from proxy.runtime import Rules, Runtime
+from proxy.runtime import RUNTIME, Rules, Runtime
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
 from proxy.tasks import stop

@@ -23,8 +23,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.deadline import Deadline
 from proxy.errors import (
     PredictedWaitExceedsBudget,
     QueueTimeout,
@@ -32,11 +32,9 @@ from proxy.errors import (
     TenantConcurrency,
     TenantQueueFull,
 )
-from proxy.estimators import RecentDispatches, SeatTime
-from proxy.queues import Ticket
+from proxy.estimators import RecentDispatches, RecentUsage, SeatTime
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
-from proxy.scheduler import Scheduler
-from proxy.usage import RecentUsage
+from proxy.scheduler import Scheduler, Ticket
 
 #: Retry-After when nothing is known yet about seat times.
 DEFAULT_FREE_PLACE_S = 1.0

@@ -32,8 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
 
-from proxy.admitted import BYTES_PER_TOKEN, Admitted
-from proxy.deadline import Deadline
+from proxy.admitted import BYTES_PER_TOKEN, Admitted, Deadline
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -49,10 +48,9 @@ from proxy.errors import (
 )
 from proxy.estimators import DEFAULT_OUTPUT_TOKENS
 from proxy.forward import forward
-from proxy.keys import RUNTIME
 from proxy.paths import forwardable, normalise_path
 from proxy.record import RequestRecord
-from proxy.runtime import Rules, Runtime
+from proxy.runtime import RUNTIME, Rules, Runtime
 from proxy.settings import ANONYMOUS_REJECT, hash_api_key
 
 log = structlog.get_logger(__name__)

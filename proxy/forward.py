@@ -23,12 +23,12 @@ from proxy.errors import (
     ShuttingDown,
     TotalTimeout,
 )
-from proxy.queues import Ticket
 from proxy.record import RequestRecord
 from proxy.relay import HOP_BY_HOP, end_to_end_headers, relay, relay_whole
 from proxy.replicas import Replica, Seat
 from proxy.retries import parse_retry_after, status_class
 from proxy.runtime import Rules, Runtime
+from proxy.scheduler import Ticket
 from proxy.upstream import Committed, UpstreamRequest, attempt
 
 #: Headers never forwarded upstream: hop-by-hop ones, and those the proxy consumes

@@ -26,9 +26,8 @@ import structlog
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.keys import RUNTIME
 from proxy.listener import ProxyRunner
-from proxy.runtime import Runtime
+from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Config
 
 log = structlog.get_logger(__name__)

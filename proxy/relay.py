@@ -21,8 +21,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.deadline import Deadline
 from proxy.errors import IdleTimeout, ProxyError, TotalTimeout, UpstreamProtocolError
 from proxy.record import RequestRecord
 from proxy.sse import SseMeter, usage_from_body

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from proxy.clock import Clock
 from proxy.dispatch import Dispatcher, TenantLimits
@@ -130,3 +131,7 @@ class Runtime:
         if self.session is None:
             raise RuntimeError("the upstream session is not open (app not started)")
         return self.session
+
+
+#: The typed application key under which the app holds its runtime.
+RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)

@@ -20,8 +20,8 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.deadline import Deadline
 from proxy.errors import (
     ConnectTimeout,
     FirstByteTimeout,

@@ -9,8 +9,8 @@ import pytest
 
 from bench.false_refusals import Arrival, Scenario
 from bench.false_refusals_virtual import replay
+from proxy.admitted import Deadline
 from proxy.clock import FakeClock
-from proxy.deadline import Deadline
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import (
     PredictedWaitExceedsBudget,
@@ -19,9 +19,8 @@ from proxy.errors import (
     TenantConcurrency,
     TenantQueueFull,
 )
-from proxy.queues import Ticket
 from proxy.replicas import Replica, ReplicaPool, Seat
-from proxy.scheduler import FairScheduler
+from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig
 
 WEIGHTS = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}

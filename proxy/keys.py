@@ -1,9 +1,0 @@
-"""Typed application keys (aiohttp ``AppKey``), shared by the app's modules."""
-
-from __future__ import annotations
-
-from aiohttp import web
-
-from proxy.runtime import Runtime
-
-RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
