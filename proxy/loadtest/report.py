@@ -53,10 +53,7 @@ def plotting_available() -> bool:
     return True
 
 
-NO_PLOTS = (
-    "plots skipped: matplotlib is not installed "
-    "(pip install 'admission-proxy[loadtest]')"
-)
+NO_PLOTS = "plots skipped: matplotlib is not installed (pip install 'admission-proxy[loadtest]')"
 
 
 def fmt_ms(value: float | None) -> str:
