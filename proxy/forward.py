@@ -174,7 +174,7 @@ async def _send(
         assert retry_class is not None
         record.retry_reasons.append(retry_class)
         runtime.telemetry.retry(retry_class)
-        lease.seat.release()
+        runtime.dispatcher.release(lease.seat)
         lease.seat = None
         backoff_start = runtime.clock.now()
         await asyncio.sleep(decision.delay_s)

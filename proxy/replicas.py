@@ -13,11 +13,10 @@ only flip the flags this module reads.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import NewType
 
 from proxy.settings import ReplicaConfig
@@ -130,42 +129,23 @@ class Replica:
 
 
 class Seat:
-    """One leased place on a replica; ``release`` is idempotent."""
+    """One leased place on a replica; given back through ``Dispatcher.release``."""
 
-    __slots__ = ("_on_release", "_released", "replica")
+    __slots__ = ("released", "replica")
 
-    def __init__(self, replica: Replica, on_release: Callable[[Replica], None]) -> None:
+    def __init__(self, replica: Replica) -> None:
         self.replica = replica
-        self._on_release = on_release
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self, delay_s: float = 0.0) -> None:
-        """Give the seat back now, or after ``delay_s`` (a cancelled request's grace).
-
-        Engines notice a closed connection late, so a cancelled request's seat
-        stays taken a little while; the seat counts as released at once for
-        the caller, which must not release it again.
-        """
-        if self._released:
-            return
-        self._released = True
-        if delay_s > 0:
-            asyncio.get_running_loop().call_later(delay_s, self._on_release, self.replica)
-        else:
-            self._on_release(self.replica)
+        #: Set by the dispatcher when the seat is given back (maybe freed after a grace).
+        self.released = False
 
     def __repr__(self) -> str:
-        return f"<Seat {self.replica.name} {'released' if self._released else 'held'}>"
+        return f"<Seat {self.replica.name} {'released' if self.released else 'held'}>"
 
 
 class ReplicaPool:
     """The replicas a proxy fronts, with seat accounting."""
 
-    __slots__ = ("_by_name", "_on_free", "_rng")
+    __slots__ = ("_by_name", "_rng")
 
     def __init__(
         self,
@@ -175,11 +155,6 @@ class ReplicaPool:
     ) -> None:
         self._by_name: dict[ReplicaName, Replica] = {r.name: r for r in replicas}
         self._rng = rng or random.Random()
-        self._on_free: Callable[[], None] = lambda: None
-
-    def set_on_free(self, callback: Callable[[], None]) -> None:
-        """Called whenever a seat frees up (the dispatcher pumps its queue)."""
-        self._on_free = callback
 
     @property
     def replicas(self) -> list[Replica]:
@@ -254,13 +229,13 @@ class ReplicaPool:
 
     def lease(self, replica: Replica) -> Seat:
         replica.inflight += 1
-        return Seat(replica, self._release)
+        return Seat(replica)
 
-    def _release(self, replica: Replica) -> None:
+    def free(self, replica: Replica) -> None:
+        """One of ``replica``'s seats is back (the dispatcher's ``release``)."""
         replica.inflight -= 1
         if replica.retired and replica.inflight == 0:
             self._by_name.pop(replica.name, None)
-        self._on_free()
 
     def offers_headroom(self) -> bool:
         return any(r.headroom for r in self._by_name.values())

@@ -445,9 +445,9 @@ async def test_a_flow_keeps_its_share_when_busy_neighbours_are_momentarily_not_q
         assert ticket.seat is not None  # under capacity: every one starts at once
         running.append((ticket, clock.now() + 0.1))
     replicas[1].ejected = True
-    rates = d._drain_rates("a", "standard", clock.now())
+    rates = d.waits.drain_rates("a", "standard", clock.now(), None)
     assert rates is not None
-    mean = d._seat_time.mean_s  # a seat frees at the first step after 100 ms
+    mean = d.waits.seat_time.mean_s  # a seat frees at the first step after 100 ms
     assert mean is not None and 0.1 <= mean < 0.12
     assert rates[0] == pytest.approx(4 / mean / 3, rel=0.01)
     for ticket, _ in running:
@@ -469,4 +469,4 @@ async def test_retries_waiting_for_a_seat_count_in_the_wait_estimate() -> None:
     after = d.predict_wait("a", "standard", clock.now())
     assert before == pytest.approx(0.1) and after == pytest.approx(0.2)
     d.finish(holder, seat)
-    (await retry).release()
+    d.release(await retry)
