@@ -25,16 +25,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
-from typing import TypedDict
 
 from proxy import admission
 from proxy.admission import TenantLimits
 from proxy.admitted import Deadline
 from proxy.clock import Clock
 from proxy.errors import ProxyError, ShuttingDown
-from proxy.estimators import RecentUsage, Waits
+from proxy.estimators import RecentUsage
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler, Ticket
+from proxy.waits import Flow, Waits
 
 __all__ = ["Dispatcher", "TenantLimits"]
 
@@ -43,14 +43,6 @@ __all__ = ["Dispatcher", "TenantLimits"]
 RESEAT_PREFERENCE_S = 1.0
 #: Grants between sweeps of tenants whose recent usage decayed to nothing.
 USAGE_SWEEP_EVERY = 4096
-
-
-class _Flow(TypedDict):
-    """What only the dispatcher knows about a flow, for the wait estimate."""
-
-    cap: int | None
-    at_cap: bool
-    reseating: int
 
 
 class _Reseat:
@@ -87,7 +79,7 @@ class Dispatcher:
         self._limits = dict(limits)
         self._inflight: dict[str, int] = {}
         self._predictive_rejection = predictive_rejection
-        self.waits = Waits(pool, scheduler)
+        self.waits = Waits(pool, scheduler, self._flow)
         self._usage = RecentUsage()
         self._grants = 0
         self._headroom_grants: dict[str, int] = {}
@@ -143,7 +135,7 @@ class Dispatcher:
 
     def predict_wait(self, tenant: str, priority: str, now: float) -> float | None:
         """Expected queue wait of a new ticket of this flow now; None: no data yet."""
-        return self.waits.predict_wait(tenant, priority, now, **self._flow(tenant))
+        return self.waits.predict(tenant, priority, now)
 
     def __repr__(self) -> str:
         return (
@@ -178,7 +170,7 @@ class Dispatcher:
         depth = self.scheduler.depth(tenant)
         refusal = admission.queue_refusal(
             tenant, self.limits_for(tenant), depth, at_cap=self._at_cap(tenant),
-            free_place_s=lambda: self._free_place_s(tenant, priority, now),
+            free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now),
         )  # fmt: skip
         if refusal is None and self._predictive_rejection:
             refusal = admission.wait_refusal(
@@ -389,16 +381,9 @@ class Dispatcher:
 
     # -- refusals after the wait -------------------------------------------------------
 
-    def _flow(self, tenant: str) -> _Flow:
-        return {
-            "cap": self.limits_for(tenant).max_concurrency,
-            "at_cap": self._at_cap(tenant),
-            "reseating": len(self._reseating),
-        }
-
-    def _free_place_s(self, tenant: str, priority: str, now: float) -> float:
+    def _flow(self, tenant: str) -> Flow:
         cap = self.limits_for(tenant).max_concurrency
-        return self.waits.time_to_free_place(tenant, priority, now, cap)
+        return Flow(cap, self._at_cap(tenant), len(self._reseating))
 
     def _expiry(self, ticket: Ticket, now: float) -> ProxyError:
         tenant, priority = ticket.tenant, ticket.priority
@@ -406,8 +391,8 @@ class Dispatcher:
             tenant,
             now - ticket.enqueued_at,
             held_by_cap=self._at_cap(tenant) and self.pool.choose() is not None,
-            free_place_s=lambda: self._free_place_s(tenant, priority, now),
-            wait_s=lambda: self.waits.wait_or_default(tenant, priority, now, **self._flow(tenant)),
+            free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now),
+            wait_s=lambda: self.waits.retry_after_queue_timeout(tenant, priority, now),
         )
 
     def _fail(self, ticket: Ticket, error: Exception) -> None:

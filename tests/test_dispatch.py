@@ -445,7 +445,7 @@ async def test_a_flow_keeps_its_share_when_busy_neighbours_are_momentarily_not_q
         assert ticket.seat is not None  # under capacity: every one starts at once
         running.append((ticket, clock.now() + 0.1))
     replicas[1].ejected = True
-    rates = d.waits.drain_rates("a", "standard", clock.now(), None)
+    rates = d.waits.drain_rates("a", "standard", clock.now())
     assert rates is not None
     mean = d.waits.seat_time.mean_s  # a seat frees at the first step after 100 ms
     assert mean is not None and 0.1 <= mean < 0.12
