@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.entrance import bearer_token, error_answer, request_id_of
 from proxy.errors import InternalError, MethodNotAllowed, NotFound, ProxyError, Unauthenticated
+from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import dump_effective_config
 from proxy.telemetry.metrics import StateCollector, StateSnapshot
@@ -126,11 +127,12 @@ async def admin(request: web.Request) -> web.StreamResponse:
     if request.method == "GET" and action == "state":
         return web.json_response(admin_state(runtime))
     if request.method == "POST" and action == "reload":
-        if runtime.reloader is None:
+        reloader = request.app[RELOADER]
+        if reloader is None:
             return web.json_response(
                 {"result": "unavailable", "message": "started without a config file"}, status=409
             )
-        result = await runtime.reloader.reload("admin")
+        result = await reloader.reload("admin")
         if result.ok:
             return web.json_response({"result": "ok"})
         errors = [{"path": i.path, "message": i.message} for i in result.issues]

@@ -2,13 +2,14 @@
 
 Each replica has ``max_concurrency`` seats (the knee found by the staircase
 test), plus optional ``headroom`` seats above the knee that only a tenant
-below its fair share may take (``usage.py`` says why).
+below its fair share may take (``RecentUsage`` in ``estimators.py`` says why).
 ``ReplicaPool.choose`` picks the available replica with the lowest
 in-flight/limit ratio, ties broken at random, so load spreads evenly without a
-central counter. A ``Seat`` is the lease on one of those places; releasing it
-twice is harmless, which lets every path release in ``finally`` without
-bookkeeping. No I/O here: health probes and engine scrapes (``health.py``)
-only flip the flags this module reads.
+central counter. A ``Seat`` is the lease on one of those places; it goes
+back through ``Dispatcher.release``, where releasing it twice is harmless,
+which lets every path release in ``finally`` without bookkeeping. No I/O
+here: health probes and engine scrapes (``health.py``) only flip the flags
+this module reads.
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ class Replica:
         #: It closed a kept-alive connection under us (llama.cpp does after each
         #: stream): streamed requests to it ask for ``Connection: close``.
         self.drops_kept_alive = False
+
+    def reconfigure(self, config: ReplicaConfig, api_key: str | None) -> None:
+        """The same replica in a reloaded config: new limits apply to the next dispatch."""
+        self.config = config
+        self.url = config.url
+        self.limit = config.max_concurrency
+        self.headroom = config.headroom
+        self.api_key = api_key
 
     def set_tls(self, tls: ReplicaTls | None) -> None:
         """A new context (reload, files changed): new connections use it."""
