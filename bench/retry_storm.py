@@ -61,6 +61,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from bench.common import cpu_line, finite, machine
+from bench.load import percentile
 from bench.retry_storm_fleet import Sims, running_proxy, set_faults, sim_stats, wait_healthy
 from bench.retry_storm_report import (
     Result,
@@ -69,7 +70,6 @@ from bench.retry_storm_report import (
     Summary,
     figure_table,
     figures,
-    percentile,
     policy_table,
     read_access_log,
     reasons_table,
@@ -309,7 +309,7 @@ async def calibrate(session: aiohttp.ClientSession, urls: Sequence[str]) -> Capa
         rps=float(statistics.median(windows)),
         windows_rps=windows,
         service_ms=round(statistics.fmean(service) * 1000.0, 1) if service else float("nan"),
-        uncontended_p50_ms=round(percentile(alone, 50), 1),
+        uncontended_p50_ms=round(percentile(sorted(alone), 0.50), 1),
         seats=SLOTS * len(urls),
     )
 
