@@ -62,7 +62,8 @@ from prometheus_client import CollectorRegistry
 
 from bench.common import cpu_line, finite, machine
 from bench.load import percentile
-from bench.retry_storm_fleet import Sims, running_proxy, set_faults, sim_stats, wait_healthy
+from bench.processes import sim_stats
+from bench.retry_storm_fleet import Sims, running_proxy, set_faults, wait_healthy
 from bench.retry_storm_report import (
     Result,
     Run,
