@@ -61,7 +61,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from bench.common import cpu_line, finite, machine
-from bench.load import percentile
+from bench.load import Arrivals, load_session, percentile
 from bench.processes import sim_stats
 from bench.retry_storm_fleet import Sims, running_proxy, set_faults, wait_healthy
 from bench.retry_storm_report import (
@@ -228,30 +228,17 @@ async def drive(
     """
     rng = random.Random("retry-storm arrivals")
     body = request_body()
-    t0 = time.perf_counter()
     results: list[Result] = []
-    tasks: set[asyncio.Task[None]] = set()
     due = 0.0
-    try:
+    async with Arrivals(DRAIN_S) as arrivals:
         while True:
             due += rng.expovariate(rate)
             if due >= seconds:
                 break
-            delay = t0 + due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await arrivals.until(due)
             result = Result(f"storm-{len(results)}", due)
             results.append(result)
-            task = asyncio.create_task(send(session, url, body, result))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(set(tasks), timeout=DRAIN_S)
-    finally:
-        left = list(tasks)
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+            arrivals.launch(send(session, url, body, result))
     return results
 
 
@@ -426,12 +413,9 @@ def rotation(rounds: int) -> list[tuple[int, tuple[Policy, ...]]]:
 async def bench(
     args: argparse.Namespace, workdir: Path
 ) -> tuple[Capacity, float, dict[str, list[Stats]]]:
-    connector = aiohttp.TCPConnector(limit=CONNECTIONS, limit_per_host=0)
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as control,
-        aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
-        ) as load,
+        load_session(CONNECTIONS, total_s=CLIENT_TIMEOUT_S) as load,
     ):
         with Sims(workdir, "calibrate") as sims:
             await sims.start(REPLICAS, ["--slots", str(SLOTS), *SIM_ARGS])
