@@ -31,10 +31,10 @@ from bench.processes import (
     POLL_S,
     START_TIMEOUT_S,
     Server,
+    Sims,
     logged_url,
     proxy_url,
     sim_stats,
-    sim_url,
     spawn,
     stop_server,
 )
@@ -51,7 +51,7 @@ class Fleet:
 
     def __init__(self, workdir: Path) -> None:
         self._workdir = workdir
-        self.sims: list[Server] = []
+        self._sims = Sims(workdir, "fleet")
         self.proxy: Server | None = None
         self._proxies_started = 0
 
@@ -59,16 +59,12 @@ class Fleet:
         proxy = "a proxy" if self.proxy is not None else "no proxy"
         return f"<Fleet {len(self.sims)} sims, {proxy}>"
 
-    def _spawn(self, name: str, argv: list[str]) -> Server:
-        return spawn(name, argv, self._workdir, env=scrubbed_env(), keep_stdout=True)
+    @property
+    def sims(self) -> list[Server]:
+        return self._sims.sims
 
     async def start_sims(self, count: int, sim_args: list[str]) -> list[Server]:
-        for index in range(count):
-            argv = [*_command(), "sim", "--port", "0", "--seed", str(index), *sim_args]
-            child = self._spawn(f"sim-{index}", argv)
-            self.sims.append(child)
-            child.url = await logged_url(child, child.stderr_path, sim_url)
-        return self.sims
+        return await self._sims.start(count, sim_args)
 
     async def start_proxy(self, config_yaml: str) -> Server:
         """A fresh proxy with this config (the previous one must be stopped)."""
@@ -77,9 +73,8 @@ class Fleet:
         name = f"proxy-{self._proxies_started}"
         config_path = self._workdir / f"{name}.yaml"
         config_path.write_text(config_yaml)
-        self.proxy = child = self._spawn(
-            name, [*_command(), "serve", "--config", str(config_path), "--port", "0"]
-        )
+        argv = [*_command(), "serve", "--config", str(config_path), "--port", "0"]
+        self.proxy = child = spawn(name, argv, self._workdir, env=scrubbed_env(), keep_stdout=True)
         assert child.stdout_path is not None
         child.url = await logged_url(child, child.stdout_path, proxy_url)
         return child
@@ -94,9 +89,7 @@ class Fleet:
 
     def close(self) -> None:
         self.stop_proxy()
-        for child in reversed(self.sims):
-            stop_server(child)
-        self.sims.clear()
+        self._sims.close()
 
     def __enter__(self) -> Fleet:
         return self

@@ -20,13 +20,17 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import aiohttp
+
+from bench.common import scrubbed_env
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 20.0
@@ -194,3 +198,48 @@ async def sim_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         response.raise_for_status()
         stats: dict[str, Any] = await response.json()
     return stats
+
+
+class Sims:
+    """A set of simulated replicas (``admission-proxy sim``), all stopped on exit."""
+
+    def __init__(self, workdir: Path, label: str) -> None:
+        self._workdir = workdir
+        self._label = label
+        self.sims: list[Server] = []
+
+    def __repr__(self) -> str:
+        return f"<Sims {self._label}: {[sim.url for sim in self.sims]}>"
+
+    @property
+    def urls(self) -> list[str]:
+        return [sim.url for sim in self.sims]
+
+    def _spawn(self, index: int, sim_args: Sequence[str]) -> Server:
+        argv = [sys.executable, "-m", "proxy", "sim", "--port", "0", "--seed", str(index),
+                *sim_args]  # fmt: skip
+        return spawn(f"{self._label}-sim-{index}", argv, self._workdir, env=scrubbed_env())
+
+    async def start(self, count: int, sim_args: Sequence[str]) -> list[Server]:
+        """``count`` replicas with seeds 0, 1, ...; returns once each has logged its URL."""
+        for index in range(count):
+            self.sims.append(self._spawn(index, sim_args))
+        for sim in self.sims:
+            sim.url = await logged_url(sim, sim.stderr_path, sim_url)
+        return self.sims
+
+    def close(self) -> None:
+        for sim in reversed(self.sims):
+            stop_server(sim)
+        self.sims.clear()
+
+    def __enter__(self) -> Sims:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

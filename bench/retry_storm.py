@@ -62,8 +62,8 @@ from prometheus_client import CollectorRegistry
 
 from bench.common import cpu_line, finite, machine
 from bench.load import Arrivals, load_session, percentile
-from bench.processes import sim_stats
-from bench.retry_storm_fleet import Sims, running_proxy, set_faults, wait_healthy
+from bench.processes import Sims, sim_stats
+from bench.retry_storm_fleet import running_proxy, set_faults, wait_healthy
 from bench.retry_storm_report import (
     Result,
     Run,

@@ -18,25 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import TracebackType
 
 import aiohttp
 from aiohttp import web
 
-from bench.common import scrubbed_env
 from bench.processes import (
     POLL_S,
     START_TIMEOUT_S,
-    Server,
-    logged_url,
-    sim_url,
-    spawn,
-    stop_server,
+    Sims,
     wait_ready,
 )
 from proxy.app import build_app
@@ -47,51 +39,6 @@ from proxy.settings import Config
 #: The proxy's listen backlog: open-loop arrivals open connections in bursts, and
 #: a dropped SYN costs its request a 1 s retransmit (docs/BENCHMARKS.md, overhead).
 LISTEN_BACKLOG = 2048
-
-
-class Sims:
-    """A set of simulated replicas, all stopped on exit."""
-
-    def __init__(self, workdir: Path, label: str) -> None:
-        self._workdir = workdir
-        self._label = label
-        self.sims: list[Server] = []
-
-    def __repr__(self) -> str:
-        return f"<Sims {self._label}: {[sim.url for sim in self.sims]}>"
-
-    @property
-    def urls(self) -> list[str]:
-        return [sim.url for sim in self.sims]
-
-    def _spawn(self, index: int, sim_args: Sequence[str]) -> Server:
-        argv = [sys.executable, "-m", "proxy", "sim", "--port", "0", "--seed", str(index),
-                *sim_args]  # fmt: skip
-        return spawn(f"{self._label}-sim-{index}", argv, self._workdir, env=scrubbed_env())
-
-    async def start(self, count: int, sim_args: Sequence[str]) -> list[Server]:
-        """``count`` replicas with seeds 0, 1, ...; returns once each has logged its URL."""
-        for index in range(count):
-            self.sims.append(self._spawn(index, sim_args))
-        for sim in self.sims:
-            sim.url = await logged_url(sim, sim.stderr_path, sim_url)
-        return self.sims
-
-    def close(self) -> None:
-        for sim in reversed(self.sims):
-            stop_server(sim)
-        self.sims.clear()
-
-    def __enter__(self) -> Sims:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 async def set_faults(session: aiohttp.ClientSession, url: str, **faults: object) -> None:
