@@ -4,17 +4,17 @@ It ties the synchronous pieces together (the ``Scheduler`` that orders
 tickets, the ``ReplicaPool`` that owns seats, the per-tenant in-flight
 places, the ``Waits`` estimator, the ``admission`` decisions) with the only
 asynchronous parts of queueing: each waiting ticket's future and its
-queue-expiry timer. Who gets a free seat is decided in ``_pump``, one
+queue-expiry timer. Who gets a free seat is decided in ``pump``, one
 synchronous pass with no I/O; waking the waiters is its only side effect.
 
 Every seat comes back through ``release`` (or ``finish``), which then pumps:
-nothing below the dispatcher calls up into it, so ``_pump`` is never
+nothing below the dispatcher calls up into it, so ``pump`` is never
 re-entered. Health and GPU changes call ``pump`` from the event loop, never
 from inside a pass.
 
 Invariants:
 - a ticket is in exactly one of: queued, granted, expired, abandoned;
-- an expired ticket is never granted (``_pump`` checks the clock too, in case
+- an expired ticket is never granted (``pump`` checks the clock too, in case
   a timer fires late);
 - a client that leaves frees its queue place and tenant place at once
   (``wait`` removes it in its ``CancelledError`` path).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from proxy import admission
 from proxy.admission import TenantLimits
@@ -45,17 +46,13 @@ RESEAT_PREFERENCE_S = 1.0
 USAGE_SWEEP_EVERY = 4096
 
 
+@dataclass(slots=True, eq=False)
 class _Reseat:
     """A retry waiting for a seat."""
 
-    __slots__ = ("exclude", "future", "strict")
-
-    def __init__(
-        self, future: asyncio.Future[Seat], exclude: frozenset[ReplicaName], strict: bool
-    ) -> None:
-        self.future = future
-        self.exclude = exclude
-        self.strict = strict
+    future: asyncio.Future[Seat]
+    exclude: frozenset[ReplicaName]
+    strict: bool
 
 
 class Dispatcher:
@@ -95,7 +92,7 @@ class Dispatcher:
         self._limits = dict(limits)
         for tenant in set(self._inflight) | set(self._limits):
             self.scheduler.set_blocked(tenant, self._at_cap(tenant))
-        self._pump()
+        self.pump()
 
     def limits_for(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant) or TenantLimits(max_concurrency=None, queue_capacity=0)
@@ -183,7 +180,7 @@ class Dispatcher:
         self.scheduler.push(ticket)
         if depth + 1 > self._high_water.get(tenant, 0):
             self._high_water[tenant] = depth + 1
-        self._pump()
+        self.pump()
         if ticket.seat is None:
             ticket.timer = loop.call_later(max(0.0, expires_at - now), self._expire, ticket)
         return ticket
@@ -215,7 +212,7 @@ class Dispatcher:
         relax = None
         if strict:
             relax = loop.call_later(min(RESEAT_PREFERENCE_S, timeout_s / 2), self._relax, waiter)
-        self._pump()
+        self.pump()
         try:
             async with asyncio.timeout(timeout_s):
                 return await waiter.future
@@ -234,7 +231,7 @@ class Dispatcher:
 
     def _relax(self, waiter: _Reseat) -> None:
         waiter.strict = False
-        self._pump()
+        self.pump()
 
     # -- seats and places back ---------------------------------------------------------
 
@@ -255,7 +252,7 @@ class Dispatcher:
 
     def _free(self, replica: Replica) -> None:
         self.pool.free(replica)
-        self._pump()
+        self.pump()
 
     def finish(
         self,
@@ -281,7 +278,7 @@ class Dispatcher:
             return
         if seat is not None:
             self.release(seat, seat_grace_s)
-        self._pump()  # the tenant place freed now even though the seat did not
+        self.pump()  # the tenant place freed now even though the seat did not
 
     def release_seat(self, ticket: Ticket, seat: Seat) -> None:
         """The replica is done with the request before the client is: free the seat now.
@@ -304,11 +301,10 @@ class Dispatcher:
     # -- granting ----------------------------------------------------------------------
 
     def pump(self) -> None:
-        """Re-run dispatch after a replica became available (undrain, health, GPU)."""
-        self._pump()
+        """Hand free seats to the retries, then to the tickets the scheduler picks.
 
-    def _pump(self) -> None:
-        """Hand free seats to the retries, then to the tickets the scheduler picks."""
+        Runs after every change that can free a seat or a tenant place: here,
+        and from health, GPU and admin changes (undrain, a replica back)."""
         if not (self._reseating or len(self.scheduler)):
             return  # nobody waits (every release when unloaded)
         for waiter in list(self._reseating):
