@@ -316,6 +316,28 @@ async def test_seat_released_when_the_replica_is_done_goes_to_the_next_ticket() 
     assert d.pool.total_inflight() == 0 and d.total_inflight() == 0
 
 
+async def test_a_seat_comes_back_once_through_the_dispatcher() -> None:
+    """Released twice (a retry's backoff, then the request's ``finally``), a seat frees
+    one place and wakes one waiter; a grace release frees it only when the grace ends."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    first = enqueue(d, clock, "a")
+    seat = await d.wait(first)
+    second, third = enqueue(d, clock, "b"), enqueue(d, clock, "b")
+    d.release(seat)
+    d.release(seat)
+    assert seat.released and d.pool.total_inflight() == 1
+    assert second.seat is not None and third.seat is None
+    d.release(second.seat, delay_s=0.01)
+    assert second.seat.released and third.seat is None, "held for the grace"
+    await asyncio.wait_for(d.wait(third), timeout=5.0)
+    assert d.pool.total_inflight() == 1
+    d.finish(first, None)
+    d.finish(second, None)
+    d.finish(third, third.seat)
+    assert d.pool.total_inflight() == 0 and d.total_inflight() == 0
+
+
 def _two_replicas(clock: FakeClock, queue_capacity: int = 200) -> tuple[Dispatcher, list[Replica]]:
     replicas = [
         Replica(ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{i + 1}", max_concurrency=4))
