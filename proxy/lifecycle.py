@@ -12,8 +12,8 @@ The process's garbage collector is tuned once the app is up (``tune_gc``):
 the request path makes no reference cycles, yet at CPython's default
 thresholds a busy proxy ran a young-generation collection every few dozen
 requests (live in-flight objects alone cross 700) and full collections
-over the whole start-up heap, about a tenth of its CPU per request in the
-overhead benchmark (bench/overhead.py) for nothing collected.
+over the whole start-up heap, for nothing collected (docs/BENCHMARKS.md,
+overhead, says what that cost).
 """
 
 from __future__ import annotations

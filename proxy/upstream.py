@@ -39,7 +39,7 @@ from proxy.replicas import Replica
 CONNECTOR_LIMIT = 4096
 #: aiohttp adds its own ``User-Agent`` to a request without one; the client's
 #: absence of one is forwarded as is. (Asked per request, only then: a
-#: session-wide skip list costs every request about 2.5 us in aiohttp.)
+#: session-wide skip list costs every request something in aiohttp.)
 NO_USER_AGENT = ("User-Agent",)
 
 
