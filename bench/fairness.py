@@ -26,7 +26,7 @@ Every scenario through the proxy runs twice, in two configurations, each
 twin right after its plain one: "no headroom" (seats at the knee only, the
 config of the earlier runs) and "with headroom", where each replica offers
 ``--headroom`` seats above its knee (default 4) that only a tenant below its
-fair share may take (``proxy/usage.py``); ``--tenant-cap N`` adds the same
+fair share may take (``RecentUsage`` in ``proxy/estimators.py``); ``--tenant-cap N`` adds the same
 ``max_concurrency`` for every tenant to that second configuration. The
 simulated engines have room for the headroom in both configurations
 (``SLOTS + headroom`` slots each), as a vLLM engine has far more sequence
@@ -103,6 +103,7 @@ from bench.fairness_report import (
 )
 from bench.fairness_servers import Fleet, wait_ready, wait_sims_idle
 from bench.fairness_traffic import PATH, Flow, Result, Shape, drive, send
+from bench.load import load_session
 from bench.processes import cpu_seconds
 from proxy.settings import ConfigError, parse_config
 
@@ -462,12 +463,10 @@ async def run_scenario(
 async def bench(
     args: argparse.Namespace, timing: Timing, workdir: Path
 ) -> tuple[Capacity, list[Run]]:
-    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=CONNECTIONS, limit_per_host=0)
     with Fleet(workdir) as fleet:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as control,
-            aiohttp.ClientSession(connector=connector, timeout=timeout) as load,
+            load_session(CONNECTIONS, total_s=CLIENT_TIMEOUT_S) as load,
         ):
             sim_args = ["--slots", str(SLOTS + args.headroom), *SIM_ARGS]
             sims = await fleet.start_sims(REPLICAS, sim_args)

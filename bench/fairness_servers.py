@@ -9,7 +9,7 @@ line it logs when it listens (the sim on stderr, the proxy's ``listening``
 JSON event on stdout). The proxy's stdout (one access-log line per request)
 goes to a file in the run's temporary folder, never to a pipe that could fill.
 
-Children are started inside ``Fleet`` and stopped, in reverse order, when it
+Serverren are started inside ``Fleet`` and stopped, in reverse order, when it
 closes, also on Ctrl-C; a child's own session keeps the terminal's SIGINT for
 the benchmark to handle. Nothing here measures anything.
 """
@@ -17,54 +17,29 @@ the benchmark to handle. Nothing here measures anything.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import re
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import aiohttp
 
+from bench import processes
 from bench.common import Readings, scrubbed_env
+from bench.processes import (
+    POLL_S,
+    START_TIMEOUT_S,
+    Server,
+    Sims,
+    logged_url,
+    proxy_url,
+    sim_stats,
+    spawn,
+    stop_server,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 15.0
-POLL_S = 0.05
-_SIM_LISTENING = re.compile(rb"serving \S+ on (http://\S+)")
-
-
-@dataclass(slots=True)
-class Child:
-    """One server process and where it listens."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    stdout_path: Path
-    stderr_path: Path
-    url: str = ""
-
-    def log_tail(self, lines: int = 20) -> str:
-        text = ""
-        for path in (self.stderr_path, self.stdout_path):
-            if path.exists():
-                text += path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def check_alive(self) -> None:
-        if self.process.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}"
-            )
 
 
 def _command() -> list[str]:
@@ -76,43 +51,32 @@ class Fleet:
 
     def __init__(self, workdir: Path) -> None:
         self._workdir = workdir
-        self.sims: list[Child] = []
-        self.proxy: Child | None = None
+        self._sims = Sims(workdir, "fleet")
+        self.proxy: Server | None = None
         self._proxies_started = 0
 
     def __repr__(self) -> str:
         proxy = "a proxy" if self.proxy is not None else "no proxy"
         return f"<Fleet {len(self.sims)} sims, {proxy}>"
 
-    def _spawn(self, name: str, argv: list[str]) -> Child:
-        stdout_path = self._workdir / f"{name}.stdout"
-        stderr_path = self._workdir / f"{name}.stderr"
-        with stdout_path.open("wb") as out, stderr_path.open("wb") as err:
-            process = subprocess.Popen(
-                argv, cwd=ROOT, stdout=out, stderr=err, env=scrubbed_env(),
-                start_new_session=True,
-            )  # fmt: skip
-        return Child(name, process, stdout_path, stderr_path)
+    @property
+    def sims(self) -> list[Server]:
+        return self._sims.sims
 
-    async def start_sims(self, count: int, sim_args: list[str]) -> list[Child]:
-        for index in range(count):
-            argv = [*_command(), "sim", "--port", "0", "--seed", str(index), *sim_args]
-            child = self._spawn(f"sim-{index}", argv)
-            self.sims.append(child)
-            child.url = await _read_url(child, child.stderr_path, _sim_url)
-        return self.sims
+    async def start_sims(self, count: int, sim_args: list[str]) -> list[Server]:
+        return await self._sims.start(count, sim_args)
 
-    async def start_proxy(self, config_yaml: str) -> Child:
+    async def start_proxy(self, config_yaml: str) -> Server:
         """A fresh proxy with this config (the previous one must be stopped)."""
         assert self.proxy is None, "one proxy at a time"
         self._proxies_started += 1
         name = f"proxy-{self._proxies_started}"
         config_path = self._workdir / f"{name}.yaml"
         config_path.write_text(config_yaml)
-        self.proxy = child = self._spawn(
-            name, [*_command(), "serve", "--config", str(config_path), "--port", "0"]
-        )
-        child.url = await _read_url(child, child.stdout_path, _proxy_url)
+        argv = [*_command(), "serve", "--config", str(config_path), "--port", "0"]
+        self.proxy = child = spawn(name, argv, self._workdir, env=scrubbed_env(), keep_stdout=True)
+        assert child.stdout_path is not None
+        child.url = await logged_url(child, child.stdout_path, proxy_url)
         return child
 
     def stop_proxy(self) -> Path | None:
@@ -120,14 +84,12 @@ class Fleet:
         child, self.proxy = self.proxy, None
         if child is None:
             return None
-        _stop(child)
+        stop_server(child)
         return child.stdout_path
 
     def close(self) -> None:
         self.stop_proxy()
-        for child in reversed(self.sims):
-            _stop(child)
-        self.sims.clear()
+        self._sims.close()
 
     def __enter__(self) -> Fleet:
         return self
@@ -141,71 +103,12 @@ class Fleet:
         self.close()
 
 
-def _sim_url(text: bytes) -> str | None:
-    match = _SIM_LISTENING.search(text)
-    return match.group(1).decode() if match else None
-
-
-def _proxy_url(text: bytes) -> str | None:
-    for line in text.splitlines():
-        if b'"listening"' not in line:
-            continue
-        with contextlib.suppress(ValueError):
-            event = json.loads(line)
-            if event.get("event") == "listening":
-                return f"http://127.0.0.1:{int(event['port'])}"
-    return None
-
-
-def _logged_url(path: Path, parse: Callable[[bytes], str | None]) -> str | None:
-    return parse(path.read_bytes()) if path.exists() else None
-
-
-async def _read_url(child: Child, path: Path, parse: Callable[[bytes], str | None]) -> str:
-    """Poll the child's log until it names its URL, or fail with its log."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        child.check_alive()
-        url = _logged_url(path, parse)
-        if url is not None:
-            return url
-        await asyncio.sleep(POLL_S)
-    raise RuntimeError(f"{child.name} did not listen within {START_TIMEOUT_S:.0f} s")
-
-
-def _stop(child: Child) -> None:
-    if child.process.poll() is not None:
-        return
-    child.process.send_signal(signal.SIGTERM)
-    try:
-        child.process.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        child.process.kill()
-        child.process.wait()
-
-
-async def wait_ready(session: aiohttp.ClientSession, child: Child, path: str) -> None:
+async def wait_ready(session: aiohttp.ClientSession, child: Server, path: str) -> None:
     """Until ``GET path`` answers 200 (``/health`` of a sim, ``/readyz`` of the proxy)."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        child.check_alive()
-        with contextlib.suppress(aiohttp.ClientError):
-            async with session.get(child.url + path) as response:
-                if response.status == 200:
-                    return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{child.name} not ready after {START_TIMEOUT_S:.0f} s")
-        await asyncio.sleep(POLL_S)
+    await processes.wait_ready(session, child, START_TIMEOUT_S, path)
 
 
-async def _sim_stats(session: aiohttp.ClientSession, sim: Child) -> dict[str, Any]:
-    async with session.get(sim.url + "/sim/stats") as response:
-        response.raise_for_status()
-        stats: dict[str, Any] = await response.json()
-        return stats
-
-
-async def wait_sims_idle(session: aiohttp.ClientSession, sims: list[Child]) -> None:
+async def wait_sims_idle(session: aiohttp.ClientSession, sims: list[Server]) -> None:
     """Until every engine has nothing running or waiting (the last run's aborts landed).
 
     An engine that does not answer is asked again until ``IDLE_TIMEOUT_S``; if
@@ -217,7 +120,7 @@ async def wait_sims_idle(session: aiohttp.ClientSession, sims: list[Child]) -> N
         readings = Readings()
         for sim in sims:
             sim.check_alive()
-            stats = await readings.take(f"{sim.name} idle", partial(_sim_stats, session, sim))
+            stats = await readings.take(f"{sim.name} idle", partial(sim_stats, session, sim.url))
             if stats is not None:
                 busy += int(stats.get("running", 0)) + int(stats.get("waiting", 0))
         if not busy and not readings.missing:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from bench.load import Arrivals
+
 PATH = "/v1/chat/completions"
 MODEL = "sim-model"
 #: Mirrors the simulator's prompt estimate (about four characters a token).
@@ -188,11 +190,9 @@ async def drive(
 
     Returns every request's result, in order of sending per flow.
     """
-    t0 = time.perf_counter()
     results: list[Result] = []
-    tasks: set[asyncio.Task[None]] = set()
 
-    async def arrivals(flow: Flow) -> None:
+    async def arrivals(flow: Flow, launcher: Arrivals) -> None:
         rng = random.Random(f"arrivals:{flow.name}")
         route = random.Random(f"route:{flow.name}")
         headers = flow.headers()
@@ -203,25 +203,14 @@ async def drive(
                 return
             body, prompt_tokens, max_tokens = shape.draw(rng)
             url = targets[route.randrange(len(targets))] + PATH
-            delay = t0 + due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await launcher.until(due)
             result = Result(
                 flow.name, f"{flow.name}-{len(results)}", due, prompt_tokens, max_tokens
             )
             results.append(result)
             request_headers = {**headers, "X-Request-Id": result.request_id}
-            task = asyncio.create_task(send(session, url, request_headers, body, result, t0))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            launcher.launch(send(session, url, request_headers, body, result, launcher.t0))
 
-    try:
-        await asyncio.gather(*(arrivals(flow) for flow in flows))
-        if tasks:
-            await asyncio.wait(set(tasks), timeout=drain_s)
-    finally:
-        left = list(tasks)
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+    async with Arrivals(drain_s) as launcher:
+        await asyncio.gather(*(arrivals(flow, launcher) for flow in flows))
     return results

@@ -50,6 +50,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import ROOT, finite, machine, revision, scrubbed_env
+from bench.load import load_session
 from bench.processes import Server, free_port, start_server, stop_server, wait_ready
 
 #: The last revision with the old estimator (the tenant's last 64 dispatches as its rate).
@@ -288,9 +289,7 @@ async def run_variant(variant: str, scenario: Scenario, workdir: Path, today_tre
     env = scrubbed_env()
     sims: list[Server] = []
     proxy: Server | None = None
-    connector = aiohttp.TCPConnector(limit=2000)
-    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with load_session(2000, total_s=CLIENT_TIMEOUT_S) as session:
         try:
             for i in range(2):
                 port = free_port()

@@ -28,13 +28,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.false_refusals import SCENARIOS, SEATS, Scenario, scenarios
+from proxy.admitted import Deadline
 from proxy.clock import FakeClock
-from proxy.deadline import Deadline
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import PredictedWaitExceedsBudget, QueueTimeout
-from proxy.queues import Ticket
 from proxy.replicas import Replica, ReplicaPool
-from proxy.scheduler import FairScheduler
+from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig
 
 CLASS_WEIGHTS = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}

@@ -11,12 +11,12 @@ proxy's probes and warm-up find a healthy engine.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from aiohttp import web
 
-from bench.serving import run
+from bench import serving
+from bench.serving import health
 
 MODEL = "bench-model"
 COMPLETION = json.dumps(
@@ -47,10 +47,6 @@ async def models(request: web.Request) -> web.Response:
     return web.Response(body=MODELS, content_type="application/json")
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
 def build_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
@@ -61,11 +57,7 @@ def build_app() -> web.Application:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    args = parser.parse_args()
-    run(build_app(), args.host, args.port)
+    serving.main(__doc__, lambda _: build_app())
 
 
 if __name__ == "__main__":

@@ -84,10 +84,10 @@ from bench.processes import (
     stop_server,
     wait_ready,
 )
+from bench.real_engine import MissingToolchain
+from bench.real_engine import ensure as ensure_engine
 from proxy.loadtest.client import request_resending_stale
 from proxy.settings import ConfigError, parse_config
-from scripts.real_engine import MissingToolchain
-from scripts.real_engine import ensure as ensure_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "head_to_head.json"

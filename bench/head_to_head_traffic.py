@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from bench.load import load_session
 from proxy.loadtest.client import request_resending_stale
 from proxy.sse import has_token
 
@@ -120,11 +121,7 @@ class Outcome:
 
 def make_session(connect_timeout_s: float) -> aiohttp.ClientSession:
     """A session sized for open loop; no total timeout (each request has its deadline)."""
-    connector = aiohttp.TCPConnector(limit=CONNECTIONS, limit_per_host=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
-    return aiohttp.ClientSession(
-        connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
-    )
+    return load_session(CONNECTIONS, connect_s=connect_timeout_s)
 
 
 async def send(

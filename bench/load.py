@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -40,6 +41,25 @@ class Sample:
 
     def percentile_ms(self, q: float) -> float:
         return percentile(self.latencies, q) * 1000.0
+
+
+def load_session(
+    connections: int,
+    *,
+    total_s: float | None = None,
+    connect_s: float | None = None,
+) -> aiohttp.ClientSession:
+    """The one client session a benchmark drives load through.
+
+    ``connections`` open at once, to any one host (aiohttp's default of 100
+    would queue requests inside the connector); ``total_s`` bounds each
+    request, ``connect_s`` its connect; no cookies are kept.
+    """
+    connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=connect_s)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
+    )
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -126,3 +146,47 @@ async def open_loop(requester: Requester, total: int, rate: float, cap_s: float)
     sending_s = time.perf_counter() - start
     await asyncio.gather(*tasks)
     return requester.sample(sending_s)
+
+
+class Arrivals:
+    """Open-loop sending on a schedule: each request leaves at its due time on its own task.
+
+    Use as ``async with Arrivals(drain_s) as arrivals:``; ``await
+    arrivals.until(due_s)`` sleeps to a due time (seconds from ``t0``), then
+    ``arrivals.launch(coroutine)`` sends. On leaving, what is still running
+    gets ``drain_s`` to end (only when the block ended normally) and is then
+    cancelled, so no request outlives its run.
+    """
+
+    __slots__ = ("_drain_s", "_tasks", "t0")
+
+    def __init__(self, drain_s: float) -> None:
+        self._drain_s = drain_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.t0 = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return f"<Arrivals {len(self._tasks)} in flight>"
+
+    async def until(self, due_s: float) -> None:
+        delay = self.t0 + due_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def launch(self, send: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(send)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def __aenter__(self) -> Arrivals:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is None and self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=self._drain_s)
+        finally:
+            left = list(self._tasks)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)

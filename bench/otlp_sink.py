@@ -13,14 +13,14 @@ spans it paid for were exported and not dropped; ``/health`` answers too.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 
 from aiohttp import web
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from bench.serving import run
+from bench import serving
+from bench.serving import health
 
 PROTOBUF = "application/x-protobuf"
 
@@ -61,10 +61,6 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(asdict(request.app[RECEIVED]))
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
 def build_app() -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)  # the exporter's own limit
     app[RECEIVED] = Received()
@@ -75,11 +71,7 @@ def build_app() -> web.Application:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    args = parser.parse_args()
-    run(build_app(), args.host, args.port)
+    serving.main(__doc__, lambda _: build_app())
 
 
 if __name__ == "__main__":

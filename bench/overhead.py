@@ -51,7 +51,7 @@ import uvloop
 import yaml
 
 from bench.common import SCRUBBED_ENV, cpu_line, machine, own_cpu, revision, scrubbed_env
-from bench.load import Requester, closed_loop, open_loop
+from bench.load import Requester, closed_loop, load_session, open_loop
 from bench.processes import (
     Server,
     free_port,
@@ -227,9 +227,7 @@ async def measure(
     """Warm up, then one measured run: closed loop, or open loop when ``rate`` is given."""
     front, upstream = running[target], running["direct"]
     limit = args.concurrency if rate is None else OPEN_LOOP_CONNECTIONS
-    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with load_session(limit, total_s=REQUEST_TIMEOUT_S) as session:
         url = front.url + PATH
         warm = Requester(session, url, BODY, HEADERS)
         warmed = await closed_loop(warm, max(args.warmup, limit), limit, RUN_CAP_S)  # opens all

@@ -11,14 +11,13 @@ measured against, so it must stay honest and lean.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from bench.serving import run
+from bench import serving
 
 #: Upstream connections the session may hold at once (far above the benchmark's clients).
 CONNECTOR_LIMIT = 1024
@@ -70,12 +69,7 @@ def build_app(upstream: str) -> web.Application:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:9001")
-    args = parser.parse_args()
-    run(build_app(args.upstream), args.host, args.port)
+    serving.main(__doc__, lambda args: build_app(args.upstream), upstream=True)
 
 
 if __name__ == "__main__":

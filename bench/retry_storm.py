@@ -61,7 +61,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from bench.common import cpu_line, finite, machine
-from bench.retry_storm_fleet import Sims, running_proxy, set_faults, sim_stats, wait_healthy
+from bench.load import Arrivals, load_session, percentile
+from bench.processes import Sims, sim_stats
+from bench.retry_storm_fleet import running_proxy, set_faults, wait_healthy
 from bench.retry_storm_report import (
     Result,
     Run,
@@ -69,7 +71,6 @@ from bench.retry_storm_report import (
     Summary,
     figure_table,
     figures,
-    percentile,
     policy_table,
     read_access_log,
     reasons_table,
@@ -227,30 +228,17 @@ async def drive(
     """
     rng = random.Random("retry-storm arrivals")
     body = request_body()
-    t0 = time.perf_counter()
     results: list[Result] = []
-    tasks: set[asyncio.Task[None]] = set()
     due = 0.0
-    try:
+    async with Arrivals(DRAIN_S) as arrivals:
         while True:
             due += rng.expovariate(rate)
             if due >= seconds:
                 break
-            delay = t0 + due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await arrivals.until(due)
             result = Result(f"storm-{len(results)}", due)
             results.append(result)
-            task = asyncio.create_task(send(session, url, body, result))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(set(tasks), timeout=DRAIN_S)
-    finally:
-        left = list(tasks)
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+            arrivals.launch(send(session, url, body, result))
     return results
 
 
@@ -309,7 +297,7 @@ async def calibrate(session: aiohttp.ClientSession, urls: Sequence[str]) -> Capa
         rps=float(statistics.median(windows)),
         windows_rps=windows,
         service_ms=round(statistics.fmean(service) * 1000.0, 1) if service else float("nan"),
-        uncontended_p50_ms=round(percentile(alone, 50), 1),
+        uncontended_p50_ms=round(percentile(sorted(alone), 0.50), 1),
         seats=SLOTS * len(urls),
     )
 
@@ -425,12 +413,9 @@ def rotation(rounds: int) -> list[tuple[int, tuple[Policy, ...]]]:
 async def bench(
     args: argparse.Namespace, workdir: Path
 ) -> tuple[Capacity, float, dict[str, list[Stats]]]:
-    connector = aiohttp.TCPConnector(limit=CONNECTIONS, limit_per_host=0)
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as control,
-        aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
-        ) as load,
+        load_session(CONNECTIONS, total_s=CLIENT_TIMEOUT_S) as load,
     ):
         with Sims(workdir, "calibrate") as sims:
             await sims.start(REPLICAS, ["--slots", str(SLOTS), *SIM_ARGS])

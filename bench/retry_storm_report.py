@@ -28,6 +28,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from bench.load import percentile
+
 # -- records ----------------------------------------------------------------------------
 
 
@@ -98,15 +100,6 @@ class Run:
 
 
 # -- one run's figures ------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def _ratio(top: float, bottom: float) -> float:
@@ -189,9 +182,9 @@ def run_stats(run: Run, slo_ms: float, slo_sweep_ms: Sequence[float], faulty: st
         good=good,
         goodput_rps=good / seconds,
         good_share=_ratio(good, sent),
-        p50_ok_ms=percentile(ok_ms, 50),
-        p99_ok_ms=percentile(ok_ms, 99),
-        p99_answered_ms=percentile(answered_ms, 99),
+        p50_ok_ms=percentile(sorted(ok_ms), 0.50),
+        p99_ok_ms=percentile(sorted(ok_ms), 0.99),
+        p99_answered_ms=percentile(sorted(answered_ms), 0.99),
         reasons=dict(Counter(r.reason or "ok" for r in measured).most_common()),
         goodput_by_slo={
             slo_label(slo): sum(ms <= slo for ms in ok_ms) / seconds for slo in slo_sweep_ms

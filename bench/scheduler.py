@@ -23,8 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from proxy.queues import Ticket
-from proxy.scheduler import FairScheduler
+from proxy.scheduler import FairScheduler, Ticket
 
 CLASSES = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}
 TARGET_US_PER_OP = 20.0

@@ -32,9 +32,10 @@ from proxy.errors import (
     ProxyError,
     Unauthenticated,
 )
-from proxy.keys import HISTORY, RUNTIME
-from proxy.runtime import Runtime
+from proxy.reload import RELOADER
+from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import dump_effective_config
+from proxy.telemetry.history import HISTORY
 from proxy.telemetry.metrics import StateCollector, StateSnapshot
 from proxy.ui import add_ui_routes
 
@@ -143,11 +144,12 @@ async def admin(request: web.Request) -> web.StreamResponse:
             raise BadRequest("since: a number (the t of the last point seen)") from None
         return web.json_response(request.app[HISTORY].since(after))
     if request.method == "POST" and action == "reload":
-        if runtime.reloader is None:
+        reloader = request.app[RELOADER]
+        if reloader is None:
             return web.json_response(
                 {"result": "unavailable", "message": "started without a config file"}, status=409
             )
-        result = await runtime.reloader.reload("admin")
+        result = await reloader.reload("admin")
         if result.ok:
             return web.json_response({"result": "ok"})
         errors = [{"path": i.path, "message": i.message} for i in result.issues]

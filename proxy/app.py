@@ -1,10 +1,11 @@
 """Wiring: ``build_app`` assembles the proxy from its parts.
 
 Every long-lived resource (the upstream client session) is opened and closed
-side by side in a ``cleanup_ctx`` generator, torn down in reverse order. The
+side by side in a ``cleanup_ctx`` generator, torn down in reverse order.
+Every part is built first, then one frozen ``Runtime`` that holds them; the
 app is frozen after start-up; components are reached through typed
-``AppKey``s. Seams for tests: ``clock`` (time), ``gpu`` (the NVML probe, later
-issue) and ``session_factory`` (the upstream transport).
+``AppKey``s (``RUNTIME``, ``RELOADER``). Seams for tests: ``clock`` (time),
+``gpu`` (the NVML probe) and ``session_factory`` (the upstream transport).
 """
 
 from __future__ import annotations
@@ -24,18 +25,17 @@ from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
 from proxy.entrance import handle
 from proxy.health import Health
-from proxy.keys import HISTORY, RUNTIME
 from proxy.quotas import EntranceQuotas
-from proxy.reload import Reloader
+from proxy.reload import RELOADER, Reloader
 from proxy.replicas import Replica, ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
-from proxy.runtime import Rules, Runtime
+from proxy.runtime import RUNTIME, Rules, Runtime
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
 from proxy.tasks import stop
 from proxy.telemetry import Telemetry
-from proxy.telemetry.gpu import GpuProbe, GpuSampler, NvmlProbe
-from proxy.telemetry.history import History, history_loop
+from proxy.telemetry.gpu import FakeGpuProbe, GpuProbe, GpuSampler, NvmlProbe
+from proxy.telemetry.history import HISTORY, History, history_loop
 from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
 from proxy.telemetry.tracing import Tracing, provider_from_env
@@ -76,7 +76,9 @@ def build_runtime(
     access_log: bool | TextIO = True,
     tracer_provider: TracerProvider | None = None,
     predictive_rejection: bool = True,
+    gpu: GpuProbe | None = None,
 ) -> Runtime:
+    """Every part first, then one frozen ``Runtime`` holding them."""
     clock = clock or MonotonicClock()
     rules = Rules.from_config(config)
     tls = tls_by_replica(config.replicas)
@@ -108,9 +110,16 @@ def build_runtime(
     rng = random.Random(seed)
     retry_policy = RetryPolicy(config.retry, rng)
     retry_budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries_per_s, clock)
+
+    def gpu_guard() -> None:
+        health.apply_gpu_guard(sampler.snapshot)
+
+    probe = gpu if gpu is not None else FakeGpuProbe()
+    sampler = GpuSampler(probe, gpu_guard, config.gpu.sample_ms / 1000.0)
     return Runtime(
-        rules, clock, pool, dispatcher, quotas, telemetry, health, retry_policy, retry_budget
-    )
+        rules, clock, pool, dispatcher, quotas, telemetry, health, retry_policy, retry_budget,
+        sampler,
+    )  # fmt: skip
 
 
 def build_app(
@@ -138,6 +147,7 @@ def build_app(
     false-refusal benchmark's twin); deliberately not a config key.
     """
     provider = tracer_provider if tracer_provider is not None else provider_from_env()
+    probe: GpuProbe = gpu if gpu is not None else NvmlProbe()
     runtime = build_runtime(
         config,
         clock=clock,
@@ -145,18 +155,18 @@ def build_app(
         access_log=access_log,
         tracer_provider=provider,
         predictive_rejection=predictive_rejection,
+        gpu=probe,
     )
-    probe: GpuProbe = gpu if gpu is not None else NvmlProbe()
     # The entrance enforces max_body_bytes itself, with the contract's 413 answer.
     app = web.Application(client_max_size=config.server.max_body_bytes + 1)
     app[RUNTIME] = runtime
+    reloader = app[RELOADER] = Reloader(runtime, config_path) if config_path else None
     factory = session_factory or _default_session
 
     async def upstream_session(app: web.Application) -> AsyncIterator[None]:
-        runtime.session = factory(config)
+        runtime.open_session(factory(config))
         yield
-        await runtime.session.close()
-        runtime.session = None
+        await runtime.close_session()
 
     async def health_loop(app: web.Application) -> AsyncIterator[None]:
         """Probes and warm-ups on their own session: never queued behind client traffic."""
@@ -180,20 +190,14 @@ def build_app(
         if isinstance(probe, NvmlProbe):
             await asyncio.to_thread(probe.close)
 
-    runtime.gpu = GpuSampler(
-        probe,
-        lambda: runtime.health.apply_gpu_guard(runtime.gpu.snapshot),
-        config.gpu.sample_ms / 1000.0,
-    )
     app.cleanup_ctx.append(log_flusher)
     app.cleanup_ctx.append(gpu_sampler)
 
     async def config_watcher(app: web.Application) -> AsyncIterator[None]:
-        if config_path is None:
+        if reloader is None:
             yield
             return
-        runtime.reloader = Reloader(runtime, config_path)
-        task = asyncio.create_task(runtime.reloader.watch())
+        task = asyncio.create_task(reloader.watch())
         yield
         await stop(task)
 

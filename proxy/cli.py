@@ -9,25 +9,36 @@ admission-proxy check-config PATH
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TextIO
 
-from proxy.config_cli import check_config
 from proxy.loadtest.cli import add_loadtest_arguments, run_loadtest
-from proxy.settings import ConfigError, load_config
+from proxy.settings import ConfigError, dump_effective_config, load_config
+from proxy.tasks import run_async
 from proxy.telemetry.logs import configure_logging
 
+EXIT_OK = 0
+#: Same code as a usage error: the input, not the program, is at fault.
+EXIT_INVALID = 2
 
-def run_async(main: Coroutine[Any, Any, int]) -> int:
-    """Run on uvloop when it is installed (it is a dependency on Linux)."""
+
+def check_config(path: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Validate ``path``; print the effective config to ``out`` or the problems to ``err``.
+
+    Keys are masked in the output: it is meant to be pasted into tickets and
+    CI logs, where a live key must never appear.
+    """
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - only on platforms without uvloop
-        return asyncio.run(main)
-    result: int = uvloop.run(main)
-    return result
+        config = load_config(path)
+    except ConfigError as exc:
+        count = len(exc.issues)
+        err.write(f"invalid config {path}: {count} problem{'s' if count != 1 else ''}\n")
+        for issue in exc.issues:
+            err.write(f"{issue}\n")
+        return EXIT_INVALID
+    out.write(dump_effective_config(config, mask_secrets=True))
+    return EXIT_OK
 
 
 def _parser() -> argparse.ArgumentParser:

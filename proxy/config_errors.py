@@ -26,14 +26,58 @@ import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-if TYPE_CHECKING:
-    from proxy.settings import BudgetsConfig, PriorityConfig, ReplicaConfig, TenantConfig
+
+class _Named(Protocol):
+    """A replica's config as the cross-replica rules read it (``settings.ReplicaConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class _Budgets(Protocol):
+    """Merged budgets (``settings.BudgetsConfig``)."""
+
+    @property
+    def queue_ms(self) -> int: ...
+    @property
+    def first_byte_ms(self) -> int: ...
+    @property
+    def total_ms(self) -> int: ...
+
+
+class _Overrides(Protocol):
+    """A tenant's budget overrides (``settings.BudgetOverrides``)."""
+
+    @property
+    def queue_ms(self) -> int | None: ...
+    @property
+    def first_byte_ms(self) -> int | None: ...
+    @property
+    def total_ms(self) -> int | None: ...
+
+
+class _Tenant(Protocol):
+    """A tenant's config as the cross-tenant rules read it (``settings.TenantConfig``).
+
+    Structural types rather than the models themselves: ``settings`` imports
+    these rules, so importing it back would make a cycle.
+    """
+
+    @property
+    def api_keys(self) -> Sequence[str]: ...
+    @property
+    def priority(self) -> str: ...
+    @property
+    def allowed_priorities(self) -> Sequence[str] | None: ...
+    @property
+    def budgets(self) -> _Overrides: ...
+
 
 #: The pydantic error type of every cross-field rule.
 RULE_ERROR_TYPE = "config_rule"
@@ -185,7 +229,7 @@ def valid_items(raw: object, model: type[_M]) -> dict[int | str, _M]:
     return valid
 
 
-def replica_problems(replicas: Mapping[int | str, ReplicaConfig]) -> Problems:
+def replica_problems(replicas: Mapping[int | str, _Named]) -> Problems:
     """Replica names are unique: they key seats, metrics and the drain endpoint."""
     first: dict[str, int | str] = {}
     problems: Problems = []
@@ -197,7 +241,7 @@ def replica_problems(replicas: Mapping[int | str, ReplicaConfig]) -> Problems:
     return problems
 
 
-def tenant_problems(tenants: Mapping[str, TenantConfig], before: Mapping[str, Any]) -> Problems:
+def tenant_problems(tenants: Mapping[str, _Tenant], before: Mapping[str, Any]) -> Problems:
     """Rules between tenants and the sections validated before them (``before``).
 
     A section that failed its own validation is absent from ``before``; the
@@ -226,7 +270,7 @@ def anonymous_problem(anonymous: object, tenants: object, reject: str) -> str | 
     return f'{anonymous!r} must be "{reject}" or the name of a configured tenant'
 
 
-def _key_problems(tenants: Mapping[str, TenantConfig]) -> Problems:
+def _key_problems(tenants: Mapping[str, _Tenant]) -> Problems:
     """A key, plain or hashed, opens one tenant only; the key itself is never quoted."""
     first: dict[str, str] = {}
     problems: Problems = []
@@ -239,9 +283,7 @@ def _key_problems(tenants: Mapping[str, TenantConfig]) -> Problems:
     return problems
 
 
-def _class_problems(
-    name: str, tenant: TenantConfig, priorities: Mapping[str, PriorityConfig]
-) -> Problems:
+def _class_problems(name: str, tenant: _Tenant, priorities: Mapping[str, object]) -> Problems:
     unknown = f"unknown priority class (configured: {', '.join(priorities)})"
     problems: Problems = []
     if tenant.priority not in priorities:
@@ -252,7 +294,7 @@ def _class_problems(
     return problems
 
 
-def _override_problems(name: str, tenant: TenantConfig, budgets: BudgetsConfig) -> Problems:
+def _override_problems(name: str, tenant: _Tenant, budgets: _Budgets) -> Problems:
     """Merged budgets that cannot fit, reported at a key this tenant overrides.
 
     A layer above the total is reported at that layer, else at ``total_ms``;
@@ -261,9 +303,11 @@ def _override_problems(name: str, tenant: TenantConfig, budgets: BudgetsConfig) 
     global ``budgets`` check has already reported it.
     """
     own = tenant.budgets
-    merged = budgets.model_copy(update=own.model_dump(exclude_none=True))
+    queue_ms = budgets.queue_ms if own.queue_ms is None else own.queue_ms
+    first_byte_ms = budgets.first_byte_ms if own.first_byte_ms is None else own.first_byte_ms
+    total_ms = budgets.total_ms if own.total_ms is None else own.total_ms
     problems: Problems = []
-    for key, message in budget_problems(merged.queue_ms, merged.first_byte_ms, merged.total_ms):
+    for key, message in budget_problems(queue_ms, first_byte_ms, total_ms):
         involved = (key, "first_byte_ms", "queue_ms") if key == "total_ms" else (key, "total_ms")
         where = next((k for k in involved if getattr(own, k) is not None), None)
         if where is not None:

@@ -29,8 +29,8 @@ import aiohttp
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.keys import RUNTIME
 from proxy.lifecycle import bound_port
+from proxy.runtime import RUNTIME
 from proxy.settings import Config, load_config
 from proxy.sim import SimConfig, SimServer, start_sim
 from proxy.sim.faults import Faults

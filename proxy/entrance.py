@@ -1,7 +1,7 @@
 """The entrance: every proxied request starts and ends here.
 
 ``handle`` identifies the tenant, its class and its deadline, reads the body
-within ``entrance_ms``, hands the request to ``forward``, and is the one place
+within ``entrance_ms``, hands the request to its ``Exchange``, and is the one place
 where a ``ProxyError`` becomes an HTTP response. It writes the request's end
 into its record exactly once, whatever happened (``finally``), which is what
 makes "every request ends exactly once with one outcome" hold.
@@ -32,8 +32,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
 
-from proxy.admitted import BYTES_PER_TOKEN, Admitted
-from proxy.deadline import Deadline
+from proxy.admitted import BYTES_PER_TOKEN, Admitted, Deadline
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -48,11 +47,10 @@ from proxy.errors import (
     Unauthenticated,
 )
 from proxy.estimators import DEFAULT_OUTPUT_TOKENS
-from proxy.forward import forward
-from proxy.keys import RUNTIME
+from proxy.exchange import Exchange
 from proxy.paths import forwardable, normalise_path
 from proxy.record import RequestRecord
-from proxy.runtime import Rules, Runtime
+from proxy.runtime import RUNTIME, Rules, Runtime
 from proxy.settings import ANONYMOUS_REJECT, hash_api_key
 
 log = structlog.get_logger(__name__)
@@ -137,16 +135,18 @@ async def handle(request: web.Request) -> web.StreamResponse:
     record.wall_arrival_ns = time.time_ns()
     record.trace = runtime.telemetry.tracing.start_request(request.headers, record)
     runtime.enter(record)
+    exchange: Exchange | None = None
     try:
         admitted = await _admit(request, rules, runtime, record)
-        return await forward(request, admitted, rules, runtime, record)
+        exchange = Exchange(request, admitted, rules, runtime, record)
+        return await exchange.run()
     except ProxyError as err:
         record.fail(err)
         return error_response(err, record)
     except asyncio.CancelledError:
         # A client that left after the whole answer (at ``data: [DONE]``,
         # before the chunked terminator) was served, not cancelled.
-        if not record.upstream_done:
+        if exchange is None or not exchange.upstream_done:
             record.cancel()
         raise
     except Exception:

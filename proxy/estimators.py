@@ -1,6 +1,7 @@
-"""What admission predicts from: seat time, the others' recent dispatches, output tokens.
+"""What admission predicts from: seat time, recent dispatches and usage, output tokens.
 
-Three small estimators, each fed by the request path and read by it:
+Four small estimators, each fed by the request path and read by it (the
+predictions made from them are in ``waits.py``):
 
 - ``SeatTime``: how long a request holds its replica seat. The serving seats
   divided by it is the number of dispatches per second the fleet sustains, the
@@ -10,6 +11,8 @@ Three small estimators, each fed by the request path and read by it:
   that come back while it waits.
 - ``OutputTokens``: each tenant's moving average of output tokens, the cost of
   a request that names no output limit.
+- ``RecentUsage``: each tenant's decayed share of the dispatched work, which
+  decides who may take a headroom seat (below).
 
 Why samples and not rates: a seat time measured during a quiet period is as
 valid as one measured under load, whereas a rate measured over a quiet period
@@ -92,14 +95,45 @@ class _Decayed:
         self.value = 0.0
         self.at = at
 
-    def read(self, now: float) -> float:
+    def read(self, now: float, tau_s: float) -> float:
         if now > self.at:
-            self.value *= math.exp((self.at - now) / RECENT_TAU_S)
+            self.value *= math.exp((self.at - now) / tau_s)
             self.at = now
         return self.value
 
 
-class RecentDispatches:
+class _DecayedTotals:
+    """One exponentially decayed sum per tenant and one for the fleet. O(1) per record."""
+
+    __slots__ = ("_fleet", "_tau_s", "_tenants")
+
+    def __init__(self, tau_s: float) -> None:
+        self._tau_s = tau_s
+        self._fleet = _Decayed(0.0)
+        self._tenants: dict[str, _Decayed] = {}
+
+    def _add(self, tenant: str, amount: float, now: float) -> None:
+        counter = self._tenants.get(tenant)
+        if counter is None:
+            counter = self._tenants[tenant] = _Decayed(now)
+        counter.value = counter.read(now, self._tau_s) + amount
+        self._fleet.value = self._fleet.read(now, self._tau_s) + amount
+
+    def _own(self, tenant: str, now: float) -> float:
+        counter = self._tenants.get(tenant)
+        return counter.read(now, self._tau_s) if counter is not None else 0.0
+
+    def forget_idle(self, now: float, below: float = 1e-3) -> None:
+        """Drop tenants whose counters decayed to nothing (bounded memory)."""
+        tau = self._tau_s
+        for tenant in [t for t, c in self._tenants.items() if c.read(now, tau) < below]:
+            del self._tenants[tenant]
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+
+class RecentDispatches(_DecayedTotals):
     """Dispatches per second over the last few seconds, per tenant and in all.
 
     Each counter is an exponentially decayed count (time constant
@@ -107,36 +141,22 @@ class RecentDispatches:
     the count over tau. O(1) per dispatch and per read.
     """
 
-    __slots__ = ("_fleet", "_tenants")
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self._fleet = _Decayed(0.0)
-        self._tenants: dict[str, _Decayed] = {}
+        super().__init__(RECENT_TAU_S)
 
     def record(self, tenant: str, now: float) -> None:
-        counter = self._tenants.get(tenant)
-        if counter is None:
-            counter = self._tenants[tenant] = _Decayed(now)
-        counter.value = counter.read(now) + 1.0
-        self._fleet.value = self._fleet.read(now) + 1.0
+        self._add(tenant, 1.0, now)
 
     def others_per_second(self, tenant: str, now: float) -> float:
         """The recent dispatch rate of every tenant but ``tenant``."""
-        counter = self._tenants.get(tenant)
-        own = counter.read(now) if counter is not None else 0.0
-        return max(0.0, self._fleet.read(now) - own) / RECENT_TAU_S
+        own = self._own(tenant, now)
+        return max(0.0, self._fleet.read(now, self._tau_s) - own) / self._tau_s
 
     def active(self, now: float) -> list[str]:
         """Tenants with about one dispatch or more in the last ``RECENT_TAU_S``. O(tenants)."""
-        return [t for t, c in self._tenants.items() if c.read(now) >= ACTIVE_COUNT]
-
-    def forget_idle(self, now: float, below: float = 1e-3) -> None:
-        """Drop tenants whose counters decayed to nothing (bounded memory)."""
-        for tenant in [t for t, c in self._tenants.items() if c.read(now) < below]:
-            del self._tenants[tenant]
-
-    def __len__(self) -> int:
-        return len(self._tenants)
+        return [t for t, c in self._tenants.items() if c.read(now, self._tau_s) >= ACTIVE_COUNT]
 
 
 class OutputTokens:
@@ -165,3 +185,44 @@ class OutputTokens:
 
     def __repr__(self) -> str:
         return f"<OutputTokens {len(self._means)} tenants>"
+
+
+# -- recent usage (headroom) ------------------------------------------------------
+# Who has been using less than their fair share lately: decayed token counters.
+#
+# Why: fair queuing decides the order of *waiting* tickets, but without
+# preemption a light tenant that arrives while a flood holds every seat still
+# waits for a seat to free; under a 10x neighbour that wait is its whole p99.
+# Replicas may therefore offer a few ``headroom`` seats above their knee that
+# only a tenant below its fair share may take. "Below its share" has to be a
+# rate over the recent past, not a count of seats held now: a light tenant's
+# Poisson bursts briefly hold more than its seat share, and must stay protected
+# while they do, whereas a flooding tenant sits above its share all the time.
+#
+# Each tenant and the fleet keep one exponentially decayed sum of dispatched
+# cost (tokens); the ratio of the two is the tenant's recent fraction of the
+# work. Both decay with the same time constant, so the ratio needs no clock
+# alignment beyond bringing both up to ``now``. O(1) per dispatch and per query.
+
+#: Time constant of the decay: a few seconds of seat turnover, so a flood is
+#: recognised within a second or two and a past burst is forgotten as fast.
+DEFAULT_TAU_S = 2.0
+
+
+class RecentUsage(_DecayedTotals):
+    """Decayed dispatched cost per tenant and in total."""
+
+    __slots__ = ()
+
+    def __init__(self, tau_s: float = DEFAULT_TAU_S) -> None:
+        super().__init__(tau_s)
+
+    def record(self, tenant: str, cost: float, now: float) -> None:
+        self._add(tenant, cost, now)
+
+    def fraction(self, tenant: str, now: float) -> float:
+        """The tenant's share of the recent work, 0 for a tenant not seen lately."""
+        total = self._fleet.read(now, self._tau_s)
+        if tenant not in self._tenants or total <= 0.0:
+            return 0.0
+        return self._own(tenant, now) / total

@@ -248,24 +248,32 @@ class Health:
     async def _probe(self, replica: Replica) -> bool:
         """One GET of the health path; why it failed is kept for ``/admin/state``."""
         path = self._config.health.path
-        try:
-            async with self._get_session().get(
-                replica.url + path,
-                ssl=replica.ssl,
-                timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
-            ) as resp:
-                await resp.read()
-                if 200 <= resp.status < 300:
-                    return True
-                error = f"GET {path} answered {resp.status}"
-        except aiohttp.ClientError as exc:
-            error = translate(exc, replica).message
-        except TimeoutError:
-            error = f"GET {path} gave no answer within {PROBE_TIMEOUT_S:.0f} s"
+        error = await self._ask(replica, "GET", path, PROBE_TIMEOUT_S, f"GET {path}", "")
+        if error is None:
+            return True
         if error != replica.probe_error:
             log.warning("probe failed", replica=replica.name, error=error)
         replica.probe_error = error
         return False
+
+    async def _ask(
+        self, replica: Replica, method: str, path: str, timeout_s: float, what: str,
+        prefix: str, **request: object,
+    ) -> str | None:  # fmt: skip
+        """None when the replica answers ``method path`` with a 2xx; else why not."""
+        try:
+            async with self._get_session().request(
+                method, replica.url + path, ssl=replica.ssl,
+                timeout=aiohttp.ClientTimeout(total=timeout_s), **request,  # type: ignore[arg-type]
+            ) as resp:  # fmt: skip
+                await resp.read()
+                if 200 <= resp.status < 300:
+                    return None
+                return f"{what} answered {resp.status}"
+        except aiohttp.ClientError as exc:
+            return prefix + translate(exc, replica).message
+        except TimeoutError:
+            return f"{what} gave no answer within {timeout_s:.0f} s"
 
     async def _warm(self, replica: Replica) -> bool:
         """``warmup.requests`` completions of one token; the replica serves only after."""
@@ -298,22 +306,12 @@ class Health:
         headers = {"Content-Type": "application/json", "X-Request-Id": "admission-warmup"}
         if replica.api_key:
             headers["Authorization"] = f"Bearer {replica.api_key}"
-        try:
-            async with self._get_session().post(
-                replica.url + "/v1/completions",
-                data=json.dumps(body),
-                headers=headers,
-                ssl=replica.ssl,
-                timeout=aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S),
-            ) as resp:
-                await resp.read()
-                if 200 <= resp.status < 300:
-                    return True
-                error = f"warm-up answered {resp.status}"
-        except aiohttp.ClientError as exc:
-            error = f"warm-up: {translate(exc, replica).message}"
-        except TimeoutError:
-            error = f"warm-up gave no answer within {WARMUP_TIMEOUT_S:.0f} s"
+        error = await self._ask(
+            replica, "POST", "/v1/completions", WARMUP_TIMEOUT_S, "warm-up", "warm-up: ",
+            data=json.dumps(body), headers=headers,
+        )  # fmt: skip
+        if error is None:
+            return True
         log.warning("warm-up failed", replica=replica.name, error=error)
         replica.probe_error = error
         return False

@@ -12,8 +12,8 @@ The process's garbage collector is tuned once the app is up (``tune_gc``):
 the request path makes no reference cycles, yet at CPython's default
 thresholds a busy proxy ran a young-generation collection every few dozen
 requests (live in-flight objects alone cross 700) and full collections
-over the whole start-up heap, about a tenth of its CPU per request in the
-overhead benchmark (bench/overhead.py) for nothing collected.
+over the whole start-up heap, for nothing collected (docs/BENCHMARKS.md,
+overhead, says what that cost).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import structlog
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.keys import RUNTIME
 from proxy.listener import ProxyRunner
-from proxy.runtime import Runtime
+from proxy.reload import RELOADER
+from proxy.runtime import RUNTIME
 from proxy.settings import Config
 
 log = structlog.get_logger(__name__)
@@ -65,14 +65,6 @@ def tune_gc() -> None:
     gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
 
 
-def begin_shutdown(runtime: Runtime) -> None:
-    """Stop admitting: readiness fails, the queue is answered, arrivals are refused."""
-    if runtime.shutting_down:
-        return
-    runtime.shutting_down = True
-    runtime.dispatcher.close()
-
-
 async def serve(config: Config, host: str, port: int, config_path: str | None = None) -> int:
     app = build_app(config, config_path=config_path)
     runtime = app[RUNTIME]
@@ -102,15 +94,16 @@ async def serve(config: Config, host: str, port: int, config_path: str | None = 
             log.warning("second signal: exiting now")
             raise SystemExit(1)
         log.info("shutdown requested", signal=signal.Signals(signum).name)
-        begin_shutdown(runtime)
+        runtime.begin_shutdown()
         stop.set()
 
     reloads: set[asyncio.Task[object]] = set()
 
     def on_hangup() -> None:
-        if runtime.reloader is None:
+        reloader = app[RELOADER]
+        if reloader is None:
             return
-        task: asyncio.Task[object] = asyncio.ensure_future(runtime.reloader.reload("sighup"))
+        task: asyncio.Task[object] = asyncio.ensure_future(reloader.reload("sighup"))
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
@@ -122,7 +115,7 @@ async def serve(config: Config, host: str, port: int, config_path: str | None = 
         await stop.wait()
         grace_s = runtime.rules.config.server.shutdown_grace_ms / 1000.0
         finished = await runtime.wait_idle(grace_s)
-        runtime.grace_over = not finished
+        runtime.end_grace(finished)
         log.info("drained" if finished else "grace period over", inflight=len(runtime.active))
     finally:
         await runner.cleanup()

@@ -61,9 +61,8 @@ from proxy.errors import (
     OverloadedConnections,
     ProxyError,
 )
-from proxy.keys import RUNTIME
 from proxy.record import RequestRecord
-from proxy.runtime import Runtime
+from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import ServerConfig
 
 log = structlog.get_logger(__name__)

@@ -2,7 +2,9 @@
 
 Each stage writes the fields it owns (the entrance its identity and timing,
 the dispatcher its queue wait, the relay its first token and token counts);
-telemetry reads the record once, when the request ends. Keeping it one plain
+telemetry reads the record once, when the request ends. Nothing on the
+request path reads it back to decide anything (the exchange learns from the
+relay's ``Relayed``). Keeping it one plain
 object makes "every request ends exactly once with one outcome" checkable:
 ``end`` refuses a second call.
 """
@@ -36,8 +38,6 @@ class RequestRecord:
     attempts: int = 0
     replica: str | None = None
     upstream_status: int | None = None
-    #: The replica's answer was read to its end: its seat needs no cancel grace.
-    upstream_done: bool = False
     status: int = 0
     #: The status the client was sent before ``cancel`` logged 499 (shutdown may undo it).
     status_sent: int = 0

@@ -9,24 +9,28 @@ After the commit point a failure can no longer become an error response: an
 SSE stream gets one ``data: {"error": ...}`` event and ends, any other body is
 cut (the connection is dropped so the client cannot mistake it for complete).
 That outcome is recorded but never raised, so no caller can turn it into a
-second response (starlette's guard, made structural).
+second response (starlette's guard, made structural). What the exchange
+needs to know (how the answer ended, whether the replica finished, the
+tokens it used) it reads from its ``Relayed``, never from the telemetry
+record.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.deadline import Deadline
-from proxy.errors import IdleTimeout, ProxyError, TotalTimeout, UpstreamProtocolError
+from proxy.errors import ProxyError
 from proxy.record import RequestRecord
 from proxy.sse import SseMeter, usage_from_body
-from proxy.upstream import Committed, Expiry
+from proxy.upstream import Committed, read_chunk
 
 #: Headers that describe one connection, not the message (RFC 9110 section 7.6.1).
 HOP_BY_HOP = frozenset(
@@ -39,6 +43,25 @@ HOP_BY_HOP = frozenset(
 #: Non-streaming bodies up to this size are also kept to read their ``usage``.
 USAGE_SCAN_LIMIT = 256 * 1024
 
+Ending = Literal["relaying", "completed", "cancelled", "broken"]
+
+
+@dataclass(slots=True)
+class Relayed:
+    """How the relay went, for the exchange that owns it.
+
+    Filled in as the answer passes, so an exchange whose task is cancelled
+    mid-answer still reads how far it got: ``ending`` is "completed" (the
+    client got the whole answer), "cancelled" (the client left first) or
+    "broken" (the answer failed after the commit point).
+    """
+
+    ending: Ending = "relaying"
+    #: The replica's answer was read to its end: its seat needs no cancel grace.
+    upstream_done: bool = False
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
 
 def end_to_end_headers(
     headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str] = HOP_BY_HOP
@@ -47,7 +70,7 @@ def end_to_end_headers(
 
     ``drop`` holds lower-case names. A copy, then a case-insensitive delete
     of each dropped name present: cheaper than a filtered rebuild on every
-    request (about a third of its cost for the usual handful of headers).
+    request for the usual handful of headers.
     """
     connection = headers.get("Connection")
     if connection is not None:
@@ -77,7 +100,7 @@ def _float(value: str) -> float | None:
 
 
 def relay_whole(
-    committed: Committed, record: RequestRecord, extra_headers: dict[str, str]
+    committed: Committed, record: RequestRecord, extra_headers: dict[str, str], relayed: Relayed
 ) -> web.Response | None:
     """The whole answer is already here (a small non-streaming body): one plain response.
 
@@ -96,11 +119,13 @@ def relay_whole(
     headers.popall("Content-Length", None)
     body = committed.first_chunk + content.read_nowait()
     committed.close()
-    record.upstream_done = True
+    relayed.upstream_done = True
     if len(body) <= USAGE_SCAN_LIMIT:
         prompt, completion = usage_from_body(body)
         record.input_tokens = prompt or record.input_tokens
         record.output_tokens = completion or record.output_tokens
+    relayed.ending = "completed"
+    relayed.input_tokens, relayed.output_tokens = record.input_tokens, record.output_tokens
     return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
 
 
@@ -113,13 +138,14 @@ async def relay(
     *,
     idle_s: float,
     extra_headers: dict[str, str],
+    relayed: Relayed,
     on_upstream_done: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     """Stream the committed upstream answer to the client (``relay_whole`` first, when whole).
 
     Never raises ``ProxyError``: a failure after the commit point is recorded
-    on ``record`` and ends the answer; a client that left is recorded as
-    cancelled. ``on_upstream_done`` runs once the replica's answer has ended,
+    on ``record`` and ``relayed`` and ends the answer; a client that left is
+    recorded as cancelled. ``on_upstream_done`` runs once the replica's answer has ended,
     before the last bytes are flushed to the client: the replica's seat is
     free from then on, however slowly the client reads.
     """
@@ -140,22 +166,27 @@ async def relay(
             if meter is not None:
                 meter.feed(chunk, now)
                 if meter.done:
-                    record.upstream_done = True
+                    relayed.upstream_done = True
             elif kept is not None and len(kept) + len(chunk) <= USAGE_SCAN_LIMIT:
                 kept += chunk
             await response.write(chunk)
-            chunk = await _next_chunk(upstream, deadline, clock, idle_s)
-        record.upstream_done = True
+            chunk = await read_chunk(upstream, deadline, clock, idle_s)
+        relayed.upstream_done = True
         if on_upstream_done is not None:
             on_upstream_done()
         await response.write_eof()
+        relayed.ending = "completed"
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError included
         # The client left mid-answer (its handler may not be cancelled yet).
         # One that closed after the last byte of the answer (clients often stop
         # reading at ``data: [DONE]``, before the chunked terminator) got it all.
-        if not record.upstream_done:
+        if relayed.upstream_done:
+            relayed.ending = "completed"
+        else:
+            relayed.ending = "cancelled"
             record.cancel()
     except ProxyError as err:
+        relayed.ending = "broken"
         record.fail(err)
         await _end_broken(request, response, err, is_sse)
     finally:
@@ -168,25 +199,8 @@ async def relay(
             prompt, completion = usage_from_body(bytes(kept))
             record.input_tokens = prompt or record.input_tokens
             record.output_tokens = completion or record.output_tokens
+        relayed.input_tokens, relayed.output_tokens = record.input_tokens, record.output_tokens
     return response
-
-
-async def _next_chunk(
-    upstream: aiohttp.ClientResponse, deadline: Deadline, clock: Clock, idle_s: float
-) -> bytes:
-    content = upstream.content
-    if content.is_eof():  # the rest of a small answer is already here
-        return content.read_nowait()
-    remaining = deadline.remaining(clock.now())
-    try:
-        with Expiry(min(idle_s, remaining)):
-            return await content.readany()
-    except aiohttp.ClientError as exc:  # first: some of aiohttp's are TimeoutErrors too
-        raise UpstreamProtocolError(f"upstream answer broke off: {type(exc).__name__}") from exc
-    except TimeoutError as exc:
-        if remaining <= idle_s:
-            raise TotalTimeout("the request's total budget ran out mid-answer") from exc
-        raise IdleTimeout(f"no upstream bytes for {idle_s * 1000:.0f} ms") from exc
 
 
 async def _end_broken(

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+from aiohttp import web
 from pydantic import BaseModel
 
 from proxy.replicas import Replica
@@ -150,11 +151,7 @@ def apply_config(
         api_key = os.environ.get(replica_config.api_key_env) if replica_config.api_key_env else None
         existing = pool.get(replica_config.name)
         if existing is not None and not existing.retired:
-            existing.config = replica_config
-            existing.url = replica_config.url
-            existing.limit = replica_config.max_concurrency
-            existing.headroom = replica_config.headroom
-            existing.api_key = api_key
+            existing.reconfigure(replica_config, api_key)
             if not same_files(existing.tls, tls[replica_config.name]):
                 existing.set_tls(tls[replica_config.name])
                 log.info("replica TLS files changed: new connections use them",
@@ -170,3 +167,7 @@ def apply_config(
             pool.retire(replica.name)
     runtime.apply(Rules.from_config(config))
     runtime.dispatcher.pump()
+
+
+#: The app's reloader; None when the proxy was started without a config file.
+RELOADER: web.AppKey[Reloader | None] = web.AppKey("reloader")

@@ -2,22 +2,22 @@
 
 Each replica has ``max_concurrency`` seats (the knee found by the staircase
 test), plus optional ``headroom`` seats above the knee that only a tenant
-below its fair share may take (``usage.py`` says why).
+below its fair share may take (``RecentUsage`` in ``estimators.py`` says why).
 ``ReplicaPool.choose`` picks the available replica with the lowest
 in-flight/limit ratio, ties broken at random, so load spreads evenly without a
-central counter. A ``Seat`` is the lease on one of those places; releasing it
-twice is harmless, which lets every path release in ``finally`` without
-bookkeeping. No I/O here: health probes and engine scrapes (``health.py``)
-only flip the flags this module reads.
+central counter. A ``Seat`` is the lease on one of those places; it goes
+back through ``Dispatcher.release``, where releasing it twice is harmless,
+which lets every path release in ``finally`` without bookkeeping. No I/O
+here: health probes and engine scrapes (``health.py``) only flip the flags
+this module reads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import NewType
 
 from proxy.settings import ReplicaConfig
@@ -91,6 +91,14 @@ class Replica:
         #: stream): streamed requests to it ask for ``Connection: close``.
         self.drops_kept_alive = False
 
+    def reconfigure(self, config: ReplicaConfig, api_key: str | None) -> None:
+        """The same replica in a reloaded config: new limits apply to the next dispatch."""
+        self.config = config
+        self.url = config.url
+        self.limit = config.max_concurrency
+        self.headroom = config.headroom
+        self.api_key = api_key
+
     def set_tls(self, tls: ReplicaTls | None) -> None:
         """A new context (reload, files changed): new connections use it."""
         self.tls = tls
@@ -138,42 +146,23 @@ class Replica:
 
 
 class Seat:
-    """One leased place on a replica; ``release`` is idempotent."""
+    """One leased place on a replica; given back through ``Dispatcher.release``."""
 
-    __slots__ = ("_on_release", "_released", "replica")
+    __slots__ = ("released", "replica")
 
-    def __init__(self, replica: Replica, on_release: Callable[[Replica], None]) -> None:
+    def __init__(self, replica: Replica) -> None:
         self.replica = replica
-        self._on_release = on_release
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self, delay_s: float = 0.0) -> None:
-        """Give the seat back now, or after ``delay_s`` (a cancelled request's grace).
-
-        Engines notice a closed connection late, so a cancelled request's seat
-        stays taken a little while; the seat counts as released at once for
-        the caller, which must not release it again.
-        """
-        if self._released:
-            return
-        self._released = True
-        if delay_s > 0:
-            asyncio.get_running_loop().call_later(delay_s, self._on_release, self.replica)
-        else:
-            self._on_release(self.replica)
+        #: Set by the dispatcher when the seat is given back (maybe freed after a grace).
+        self.released = False
 
     def __repr__(self) -> str:
-        return f"<Seat {self.replica.name} {'released' if self._released else 'held'}>"
+        return f"<Seat {self.replica.name} {'released' if self.released else 'held'}>"
 
 
 class ReplicaPool:
     """The replicas a proxy fronts, with seat accounting."""
 
-    __slots__ = ("_by_name", "_on_free", "_rng")
+    __slots__ = ("_by_name", "_rng")
 
     def __init__(
         self,
@@ -183,11 +172,6 @@ class ReplicaPool:
     ) -> None:
         self._by_name: dict[ReplicaName, Replica] = {r.name: r for r in replicas}
         self._rng = rng or random.Random()
-        self._on_free: Callable[[], None] = lambda: None
-
-    def set_on_free(self, callback: Callable[[], None]) -> None:
-        """Called whenever a seat frees up (the dispatcher pumps its queue)."""
-        self._on_free = callback
 
     @property
     def replicas(self) -> list[Replica]:
@@ -262,13 +246,13 @@ class ReplicaPool:
 
     def lease(self, replica: Replica) -> Seat:
         replica.inflight += 1
-        return Seat(replica, self._release)
+        return Seat(replica)
 
-    def _release(self, replica: Replica) -> None:
+    def free(self, replica: Replica) -> None:
+        """One of ``replica``'s seats is back (the dispatcher's ``release``)."""
         replica.inflight -= 1
         if replica.retired and replica.inflight == 0:
             self._by_name.pop(replica.name, None)
-        self._on_free()
 
     def offers_headroom(self) -> bool:
         return any(r.headroom for r in self._by_name.values())

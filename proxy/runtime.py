@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from proxy.clock import Clock
 from proxy.dispatch import Dispatcher, TenantLimits
@@ -25,7 +25,7 @@ from proxy.replicas import ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
 from proxy.settings import BudgetsConfig, Config
 from proxy.telemetry import Telemetry
-from proxy.telemetry.gpu import FakeGpuProbe, GpuSampler
+from proxy.telemetry.gpu import GpuSampler
 from proxy.upstream import upstream_timeout
 
 
@@ -62,8 +62,16 @@ class Rules:
         }
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Runtime:
+    """Every long-lived part, built before start and never replaced from outside.
+
+    Frozen: what changes while the proxy runs changes only through the
+    runtime's own methods (``apply`` swaps a reload's rules in one step;
+    ``begin_shutdown``, ``end_grace``, ``open_session`` and ``close_session``
+    follow the lifecycle).
+    """
+
     rules: Rules
     clock: Clock
     pool: ReplicaPool
@@ -73,42 +81,62 @@ class Runtime:
     health: Health
     retry_policy: RetryPolicy
     retry_budget: RetryBudget
-    gpu: GpuSampler = field(default_factory=lambda: GpuSampler(FakeGpuProbe(), lambda: None))
+    gpu: GpuSampler
     session: aiohttp.ClientSession | None = None
-    #: Set when the proxy was started from a file (``serve``): reload reads it.
-    reloader: Any = None
     shutting_down: bool = False
     #: The shutdown grace ran out: requests still in flight are being cut by the proxy.
     grace_over: bool = False
     #: Requests inside the handler right now (graceful shutdown waits for them).
     active: set[object] = field(default_factory=set)
-    _idle: asyncio.Event | None = None
+    _idle: list[asyncio.Event] = field(default_factory=list)
     #: Each tenant's recent mean output tokens: the cost of a request with no limit.
     output_tokens: OutputTokens = field(default_factory=OutputTokens)
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting: readiness fails, the queue is answered, arrivals are refused."""
+        if self.shutting_down:
+            return
+        self._set("shutting_down", True)
+        self.dispatcher.close()
+
+    def end_grace(self, drained: bool) -> None:
+        """The shutdown grace is over; requests still running are cut by the proxy."""
+        self._set("grace_over", not drained)
+
+    def open_session(self, session: aiohttp.ClientSession) -> None:
+        self._set("session", session)
+
+    async def close_session(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        self._set("session", None)
 
     def enter(self, request: object) -> None:
         self.active.add(request)
 
     def leave(self, request: object) -> None:
         self.active.discard(request)
-        if not self.active and self._idle is not None:
-            self._idle.set()
+        if not self.active and self._idle:
+            self._idle[0].set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is inside the handler, at most ``timeout_s``."""
         if not self.active:
             return True
-        self._idle = asyncio.Event()
+        self._idle[:] = [asyncio.Event()]
         try:
             async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
+                await self._idle[0].wait()
         except TimeoutError:
             return False
         return True
 
     def apply(self, rules: Rules) -> None:
         """Swap in a new config's rules in one step (reload)."""
-        self.rules = rules
+        self._set("rules", rules)
         self.dispatcher.set_limits(rules.tenant_limits())
         scheduler = self.dispatcher.scheduler
         scheduler.set_class_weights({n: p.weight for n, p in rules.config.priorities.items()})
@@ -120,7 +148,7 @@ class Runtime:
         )
         self.gpu.set_interval(rules.config.gpu.sample_ms / 1000.0)
         retry = rules.config.retry
-        self.retry_policy = RetryPolicy(retry)
+        self._set("retry_policy", RetryPolicy(retry))
         self.retry_budget.ratio, self.retry_budget.min_per_s = (
             retry.budget_ratio,
             retry.min_retries_per_s,
@@ -130,3 +158,7 @@ class Runtime:
         if self.session is None:
             raise RuntimeError("the upstream session is not open (app not started)")
         return self.session
+
+
+#: The typed application key under which the app holds its runtime.
+RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)

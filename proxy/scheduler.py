@@ -37,9 +37,36 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from proxy.queues import Ticket
+if TYPE_CHECKING:
+    import asyncio
+
+    from proxy.replicas import Seat
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request waiting for a seat. Identity equality: each ticket is unique."""
+
+    tenant: str
+    priority: str
+    cost: float
+    enqueued_at: float
+    expires_at: float
+    future: asyncio.Future[Seat] | None = None
+    timer: asyncio.TimerHandle | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    #: When the ticket got its seat (service time for the wait estimator), and the seat.
+    granted_at: float | None = None
+    seat: Seat | None = None
+
+    def __repr__(self) -> str:
+        return f"<Ticket #{self.id} {self.tenant}/{self.priority} cost={self.cost:.0f}>"
+
 
 #: Weight used for a class or tenant the scheduler was not told about.
 DEFAULT_WEIGHT = 1.0

@@ -1,4 +1,4 @@
-"""Stopping the background tasks a component owns.
+"""Running the event loop, and stopping the background tasks a component owns.
 
 Every long-lived loop (health probes, the GPU sampler, the config watcher,
 log flushing, load-test samplers) is a task its owner starts and, on the way
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from typing import Any
 
 
@@ -20,3 +21,13 @@ async def stop(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop when it is installed (it is a dependency on Linux)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - only on platforms without uvloop
+        return asyncio.run(main)
+    result: int = uvloop.run(main)
+    return result

@@ -29,4 +29,4 @@ _bootstrap_step() {
     fi
 }
 _bootstrap_step .venv/bin/python -m pip install --disable-pip-version-check --upgrade pip
-_bootstrap_step .venv/bin/python -m pip install --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}"
+_bootstrap_step .venv/bin/python -m pip install --disable-pip-version-check -e ".[loadtest${EXTRAS:+,$EXTRAS}]"

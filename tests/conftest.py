@@ -10,8 +10,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import build_app
-from proxy.keys import RUNTIME
-from proxy.runtime import Runtime
+from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Config
 from tests.helpers import wait_for
 from tests.upstreams import UPSTREAM, Upstream, build_upstream

@@ -1,4 +1,4 @@
-"""Real ``llama-server`` processes for the engine tests (see ``scripts/real_engine.py``).
+"""Real ``llama-server`` processes for the engine tests (see ``bench/real_engine.py``).
 
 The engine is built once per machine (minutes, cached); each test module
 starts its own servers on OS-chosen loopback ports and stops them. Where the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.real_engine import Engine, MissingToolchain, ensure
+from bench.real_engine import Engine, MissingToolchain, ensure
 
 #: The model name the servers answer to (``--alias``), unless a test names another.
 MODEL = "tiny"

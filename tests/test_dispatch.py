@@ -9,8 +9,8 @@ import pytest
 
 from bench.false_refusals import Arrival, Scenario
 from bench.false_refusals_virtual import replay
+from proxy.admitted import Deadline
 from proxy.clock import FakeClock
-from proxy.deadline import Deadline
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import (
     PredictedWaitExceedsBudget,
@@ -19,9 +19,8 @@ from proxy.errors import (
     TenantConcurrency,
     TenantQueueFull,
 )
-from proxy.queues import Ticket
 from proxy.replicas import Replica, ReplicaPool, Seat
-from proxy.scheduler import FairScheduler
+from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig
 
 WEIGHTS = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}
@@ -317,6 +316,28 @@ async def test_seat_released_when_the_replica_is_done_goes_to_the_next_ticket() 
     assert d.pool.total_inflight() == 0 and d.total_inflight() == 0
 
 
+async def test_a_seat_comes_back_once_through_the_dispatcher() -> None:
+    """Released twice (a retry's backoff, then the request's ``finally``), a seat frees
+    one place and wakes one waiter; a grace release frees it only when the grace ends."""
+    clock = FakeClock()
+    d = make_dispatcher(clock)
+    first = enqueue(d, clock, "a")
+    seat = await d.wait(first)
+    second, third = enqueue(d, clock, "b"), enqueue(d, clock, "b")
+    d.release(seat)
+    d.release(seat)
+    assert seat.released and d.pool.total_inflight() == 1
+    assert second.seat is not None and third.seat is None
+    d.release(second.seat, delay_s=0.01)
+    assert second.seat.released and third.seat is None, "held for the grace"
+    await asyncio.wait_for(d.wait(third), timeout=5.0)
+    assert d.pool.total_inflight() == 1
+    d.finish(first, None)
+    d.finish(second, None)
+    d.finish(third, third.seat)
+    assert d.pool.total_inflight() == 0 and d.total_inflight() == 0
+
+
 def _two_replicas(clock: FakeClock, queue_capacity: int = 200) -> tuple[Dispatcher, list[Replica]]:
     replicas = [
         Replica(ReplicaConfig(name=f"r{i}", url=f"http://127.0.0.1:{i + 1}", max_concurrency=4))
@@ -446,9 +467,9 @@ async def test_a_flow_keeps_its_share_when_busy_neighbours_are_momentarily_not_q
         assert ticket.seat is not None  # under capacity: every one starts at once
         running.append((ticket, clock.now() + 0.1))
     replicas[1].ejected = True
-    rates = d._drain_rates("a", "standard", clock.now())
+    rates = d.waits.drain_rates("a", "standard", clock.now())
     assert rates is not None
-    mean = d._seat_time.mean_s  # a seat frees at the first step after 100 ms
+    mean = d.waits.seat_time.mean_s  # a seat frees at the first step after 100 ms
     assert mean is not None and 0.1 <= mean < 0.12
     assert rates[0] == pytest.approx(4 / mean / 3, rel=0.01)
     for ticket, _ in running:
@@ -470,4 +491,4 @@ async def test_retries_waiting_for_a_seat_count_in_the_wait_estimate() -> None:
     after = d.predict_wait("a", "standard", clock.now())
     assert before == pytest.approx(0.1) and after == pytest.approx(0.2)
     d.finish(holder, seat)
-    (await retry).release()
+    d.release(await retry)

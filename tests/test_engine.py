@@ -24,8 +24,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bench.real_engine import Engine
 from proxy.settings import Config
-from scripts.real_engine import Engine
 from tests.conftest import ProxyUnderTest
 from tests.engine import MODEL, LlamaServer, llama_servers
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for

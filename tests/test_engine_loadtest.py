@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.real_engine import Engine
 from proxy.loadtest.client import build_spec, make_session, send_one
 from proxy.loadtest.report import write_staircase_report
 from proxy.loadtest.staircase import StaircasePlan, run_staircase
-from scripts.real_engine import Engine
 from tests.engine import MODEL, LlamaServer, llama_servers
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]

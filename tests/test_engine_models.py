@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.real_engine import Engine
 from proxy.models import ModelTable, PoolChoice, parse_model_list
-from scripts.real_engine import Engine
 from tests.engine import LlamaServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]

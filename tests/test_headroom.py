@@ -8,14 +8,13 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from proxy.admitted import Deadline
 from proxy.clock import FakeClock
-from proxy.deadline import Deadline
 from proxy.dispatch import Dispatcher, TenantLimits
-from proxy.queues import Ticket
+from proxy.estimators import RecentUsage
 from proxy.replicas import Replica, ReplicaPool
-from proxy.scheduler import FairScheduler
+from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig
-from proxy.usage import RecentUsage
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for
 

@@ -12,8 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from proxy.clock import FakeClock
-from proxy.keys import HISTORY
-from proxy.telemetry.history import MARK_EVERY_S, WAIT_WINDOW_S, History, Totals, quantile
+from proxy.telemetry.history import HISTORY, MARK_EVERY_S, WAIT_WINDOW_S, History, Totals, quantile
 from proxy.telemetry.metrics import LATENCY_BUCKETS
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config, wait_for

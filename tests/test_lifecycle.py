@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -16,7 +17,10 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.helpers import KEY_A
+from proxy.app import build_app
+from proxy.reload import RELOADER
+from proxy.runtime import RUNTIME
+from tests.helpers import KEY_A, make_config
 from tests.test_control import samples
 
 CHAT = "/v1/chat/completions"
@@ -255,3 +259,18 @@ async def test_serve_refuses_an_invalid_config(tmp_path: Path) -> None:
     _, err = await proc.communicate()
     assert proc.returncode == 2
     assert b"replicas:" in err
+
+
+def test_the_runtime_is_built_whole_and_frozen() -> None:
+    """Every part exists before start (the GPU sampler too, no reloader without a
+    file), and nothing outside the runtime can replace one afterwards."""
+    app = build_app(make_config(["http://127.0.0.1:9"]), access_log=False)
+    runtime = app[RUNTIME]
+    assert app[RELOADER] is None
+    assert runtime.gpu.snapshot == {}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        runtime.shutting_down = True  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        runtime.gpu = runtime.gpu  # type: ignore[misc]
+    runtime.begin_shutdown()
+    assert runtime.shutting_down

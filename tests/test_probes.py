@@ -365,7 +365,7 @@ async def test_shutting_down_refuses_every_request(
 ) -> None:
     """Once shutdown has begun, seatless requests too get 503 shutting_down,
     Retry-After 1 and Connection: close, and reach no replica."""
-    proxy.runtime.shutting_down = True
+    proxy.runtime.begin_shutdown()
     head = request_head(method, target, KEY, b"X-Request-Id: late-1")
     answer = await exchange(proxy.client.server.port or 0, head, body)
     assert answer.status == 503

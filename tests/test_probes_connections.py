@@ -36,11 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from proxy.app import build_app, build_runtime
-from proxy.keys import RUNTIME
 from proxy.lifecycle import bound_port
 from proxy.listener import Listener, ProxyRunner
 from proxy.reload import Reloader
-from proxy.runtime import Runtime
+from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import DEFAULT_HEADER_MS, ConfigError, load_config
 from tests.helpers import KEY_A, make_config, wait_for
 from tests.upstreams import Upstream

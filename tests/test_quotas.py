@@ -8,9 +8,9 @@ import pytest
 
 from proxy.clock import FakeClock
 from proxy.dispatch import TenantLimits
-from proxy.queues import Ticket
 from proxy.quotas import EntranceQuotas, TokenBucket
 from proxy.replicas import Seat
+from proxy.scheduler import Ticket
 from tests.test_dispatch import enqueue, make_dispatcher
 
 

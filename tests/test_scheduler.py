@@ -6,8 +6,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from proxy.queues import Ticket
-from proxy.scheduler import FairScheduler
+from proxy.scheduler import FairScheduler, Ticket
 
 CLASSES = {"interactive": 8.0, "standard": 3.0, "batch": 1.0}
 

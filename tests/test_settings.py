@@ -13,7 +13,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from proxy.config_cli import EXIT_INVALID, EXIT_OK, check_config
+from proxy.cli import EXIT_INVALID, EXIT_OK, check_config
 from proxy.settings import (
     DEFAULT_RETRY_ON,
     BudgetsConfig,

@@ -230,7 +230,7 @@ def _metrics_url(ns: argparse.Namespace) -> str | None:
 
 def run_loadtest(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the parsed ``loadtest`` command; returns the exit status (stdout by default)."""
-    from proxy.cli import run_async
+    from proxy.tasks import run_async
 
     out = out or sys.stdout
     if ns.loadtest_command == "staircase":

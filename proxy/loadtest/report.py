@@ -45,7 +45,7 @@ STAIRCASE_FILES = ("report.md", "report.json", "report.csv", "latency.png", "thr
 
 
 def plotting_available() -> bool:
-    """matplotlib is a dependency, but a trimmed install must still get its tables."""
+    """matplotlib is the ``loadtest`` extra; an install without it still gets its tables."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -53,7 +53,7 @@ def plotting_available() -> bool:
     return True
 
 
-NO_PLOTS = "plots skipped: matplotlib is not installed (pip install matplotlib)"
+NO_PLOTS = "plots skipped: matplotlib is not installed (pip install 'admission-proxy[loadtest]')"
 
 
 def fmt_ms(value: float | None) -> str:

@@ -262,9 +262,6 @@ class Workload(_Section):
     def slo_for(self, tenant: str) -> Slo:
         return self.slo.merged(self.tenants[tenant].slo)
 
-    def fault_targets(self) -> set[int | str]:
-        return {phase.fault.target for phase in self.phases if phase.fault is not None}
-
 
 def _reference_problems(raw: Mapping[str, Any]) -> Problems:
     """Cross-section rules, read from the raw document so they work even when parts are invalid."""

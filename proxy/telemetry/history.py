@@ -171,6 +171,10 @@ class History:
         return f"<History {len(self._points)}/{self._points.maxlen} points>"
 
 
+#: Where the app keeps its ``History`` (admin.py reads it).
+HISTORY: web.AppKey[History] = web.AppKey("history", History)
+
+
 def history_loop(
     history: History, runtime: Runtime
 ) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -114,11 +114,11 @@ class AccessLog:
     """One JSON line per request, when it ends, in the same shape as the structlog lines.
 
     Written here instead of through structlog's processor chain: the access
-    line is on every request's path, and the chain plus its logger cost about
-    a fifth of the proxy's CPU per request in the overhead benchmark
-    (bench/overhead.py). The line is formatted field by field, byte for byte
-    what ``json.dumps({"event": ..., **access_fields(record, trace_id)})``
-    gives (same string escaping, same number repr), at half its cost.
+    line is on every request's path, and the chain plus its logger were a
+    large part of the proxy's CPU per request (docs/BENCHMARKS.md, overhead).
+    The line is formatted field by field, byte for byte what
+    ``json.dumps({"event": ..., **access_fields(record, trace_id)})`` gives
+    (same string escaping, same number repr), at less cost.
 
     Lines for stdout (the default) are held and written in one call by
     ``flush``, which runs on a short interval and at shutdown, or as soon as

@@ -13,7 +13,7 @@ TTFT and duration histograms, goodput, tokens) are ``CounterFamily`` and
 and ``Histogram`` (``_total``, ``_bucket``, ``_count``, ``_sum``,
 ``_created``), but an update is one addition and, for a histogram, one
 ``bisect``, instead of a validation, a lock and a Python loop over the
-buckets (about a tenth of the cost). They take no lock: the request path and
+buckets (docs/BENCHMARKS.md, overhead, says what it saved). They take no lock: the request path and
 ``/metrics`` both run on the event loop's thread. The rarer counters
 (timeouts, retries, reloads) stay prometheus-client objects.
 """

@@ -19,7 +19,6 @@ its first line.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,10 +104,6 @@ class Tracing:
     def __init__(self, provider: TracerProvider | None) -> None:
         self._provider = provider
         self._tracer = provider.get_tracer("admission-proxy") if provider is not None else None
-
-    @property
-    def enabled(self) -> bool:
-        return self._tracer is not None
 
     def start_request(
         self, headers: Mapping[str, str], record: RequestRecord
@@ -254,7 +249,3 @@ class Tracing:
     def shutdown(self) -> None:
         if self._provider is not None:
             self._provider.shutdown()
-
-
-def wall_now_ns() -> int:
-    return time.time_ns()

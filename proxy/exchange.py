@@ -1,0 +1,304 @@
+"""One request's exchange with the fleet, from its admission to its last byte.
+
+``Exchange`` owns everything one request holds on its way through: the
+admitted request, its ticket and seat, its attempts, and what the relay
+reports back. Its stages read in order, each named for what it adds:
+
+    run → _enqueue → _send_handling_retries → _send_single_attempt → _relay
+
+``_enqueue`` (the dispatcher decides when), ``_send_handling_retries`` (a
+retried failure gives its seat back for the backoff and takes the next free
+one ahead of queued tickets), ``_send_single_attempt`` (one upstream try up
+to its first byte), ``_relay`` (the answer, streamed; ``relay.Relayed`` says
+how it ended and what it used). The seat and the tenant place go back to the
+dispatcher in one ``finally`` whatever happens; a request whose client left
+while the replica worked keeps its seat for ``cancel_grace_ms`` because
+engines notice a closed connection late.
+
+The request's ``RequestRecord`` is written here for telemetry and never read
+back to decide anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from proxy.admitted import BYTES_PER_TOKEN, Admitted
+from proxy.errors import (
+    NoHealthyReplica,
+    ProxyError,
+    RetryBudgetExhausted,
+    ShuttingDown,
+    TotalTimeout,
+)
+from proxy.record import RequestRecord
+from proxy.relay import HOP_BY_HOP, Relayed, end_to_end_headers, relay, relay_whole
+from proxy.replicas import Replica, Seat
+from proxy.retries import parse_retry_after, status_class
+from proxy.runtime import Rules, Runtime
+from proxy.scheduler import Ticket
+from proxy.upstream import Committed, UpstreamRequest, attempt
+
+#: Headers never forwarded upstream: hop-by-hop ones, and those the proxy consumes
+#: or sets itself (the client's API key among them).
+NOT_FORWARDED = HOP_BY_HOP | {
+    "authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
+    "x-request-timeout-ms", "x-request-id", "x-forwarded-for",
+}  # fmt: skip
+#: Methods whose repeat has no effect of its own (RFC 9110 section 9.2.1).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class Exchange:
+    """One admitted request on its way to a replica and back."""
+
+    __slots__ = (
+        "_upstream",
+        "admitted",
+        "attempts",
+        "record",
+        "relayed",
+        "request",
+        "rules",
+        "runtime",
+        "seat",
+        "ticket",
+    )
+
+    def __init__(
+        self,
+        request: web.Request,
+        admitted: Admitted,
+        rules: Rules,
+        runtime: Runtime,
+        record: RequestRecord,
+    ) -> None:
+        self.request = request
+        self.admitted = admitted
+        self.rules = rules
+        self.runtime = runtime
+        self.record = record
+        self.ticket: Ticket | None = None
+        #: The seat held now; a retry gives it back and takes another.
+        self.seat: Seat | None = None
+        self.attempts = 0
+        self.relayed = Relayed()
+        self._upstream = _upstream_request(request, admitted)
+
+    @property
+    def upstream_done(self) -> bool:
+        """The replica's answer was read to its end: nothing runs upstream any more."""
+        return self.relayed.upstream_done
+
+    def __repr__(self) -> str:
+        return (
+            f"<Exchange {self.record.request_id} {self.admitted.tenant}/{self.admitted.priority} "
+            f"{self.attempts} attempts, {self.relayed.ending}>"
+        )
+
+    async def run(self) -> web.StreamResponse:
+        runtime = self.runtime
+        if self.admitted.seatless:
+            replica = runtime.pool.choose_any()
+            if replica is None:
+                raise NoHealthyReplica(
+                    "no replica is serving", retry_after_s=runtime.health.earliest_return_s()
+                )
+            self.record.dispatched_at = runtime.clock.now()
+            return await self._relay(await self._send_single_attempt(replica))
+        ticket = self._enqueue()
+        # Granted at once (the unloaded case): no wait to suspend in.
+        self.seat = (
+            ticket.seat if ticket.seat is not None else await runtime.dispatcher.wait(ticket)
+        )
+        self.record.dispatched_at = runtime.clock.now()
+        runtime.retry_budget.record_request()
+        grace_s = 0.0
+        try:
+            response = await self._relay(await self._send_handling_retries())
+            if self.relayed.ending == "cancelled" and not self.upstream_done:
+                grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
+            return response
+        except ProxyError:
+            raise
+        except BaseException:
+            # Cancelled (the client left) while the replica still worked on it;
+            # an answer already read to its end left nothing running upstream.
+            if not self.upstream_done:
+                grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
+            raise
+        finally:
+            self._finish(ticket, grace_s)
+
+    def _enqueue(self) -> Ticket:
+        runtime, admitted = self.runtime, self.admitted
+        if runtime.shutting_down:
+            raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
+        if not runtime.pool.any_usable():
+            raise NoHealthyReplica(
+                "every replica is ejected or drained",
+                retry_after_s=runtime.health.earliest_return_s(),
+            )
+        dispatcher = runtime.dispatcher
+        ticket = self.ticket = dispatcher.enqueue(
+            admitted.tenant, admitted.priority, admitted.cost, admitted.deadline
+        )
+        self.record.enqueued_at = ticket.enqueued_at
+        self.record.queue_depth_at_enqueue = dispatcher.scheduler.depth(admitted.tenant)
+        return ticket
+
+    def _upstream_finished(self) -> None:
+        """The replica finished: its seat goes back now, not after the client drains."""
+        if self.seat is not None and self.ticket is not None:
+            self.runtime.dispatcher.release_seat(self.ticket, self.seat)
+            self.seat = None
+
+    def _finish(self, ticket: Ticket, grace_s: float) -> None:
+        """Seat and tenant place back; the real cost corrects the tenant's fair share."""
+        relayed, actual = self.relayed, None
+        if relayed.output_tokens is not None:
+            self.runtime.output_tokens.record(self.admitted.tenant, relayed.output_tokens)
+            # An engine that reports no prompt count (vLLM streams without
+            # include_usage) keeps the prompt's estimate, not a refund of it.
+            prompt = relayed.input_tokens
+            if prompt is None:
+                prompt = len(self.admitted.body) // BYTES_PER_TOKEN
+            actual = float(prompt + relayed.output_tokens)
+        self.runtime.dispatcher.finish(ticket, self.seat, actual_cost=actual, seat_grace_s=grace_s)
+
+    async def _send_handling_retries(self) -> Committed:
+        """Attempts until one commits an answer worth relaying, or retrying is not allowed.
+
+        A retried failure gives its seat back for the backoff (keeping the
+        tenant's place) and takes the next free seat ahead of queued tickets,
+        preferring another replica (docs/REFERENCE.md).
+        """
+        runtime, record = self.runtime, self.record
+        deadline = self.admitted.deadline
+        while True:
+            assert self.seat is not None
+            assert self.ticket is not None
+            replica = self.seat.replica
+            failure: ProxyError | Committed
+            try:
+                committed = await self._send_single_attempt(replica)
+            except ProxyError as err:
+                runtime.health.attempt_failed(replica, err)
+                failure, retry_class, upstream_wait = err, err.retry_class, None
+            else:
+                retry_class = status_class(committed.status)
+                if retry_class is None:
+                    runtime.health.attempt_succeeded(replica)
+                    return committed
+                runtime.health.attempt_failed(replica, None, committed.status)
+                failure = committed
+                upstream_wait = parse_retry_after(committed.response.headers.get("Retry-After"))
+            decision = runtime.retry_policy.decide(
+                retry_class,
+                attempts=self.attempts,
+                inference_route=self.admitted.inference,
+                remaining_s=deadline.remaining(runtime.clock.now()),
+                upstream_retry_after_s=upstream_wait,
+            )
+            if not decision.retry:
+                if isinstance(failure, Committed):
+                    return failure  # the replica's own answer, passed through
+                raise failure
+            if isinstance(failure, Committed):
+                failure.close()
+            if not runtime.retry_budget.try_spend():
+                runtime.telemetry.retry_budget_exhausted()
+                raise RetryBudgetExhausted(
+                    "retries are over the fleet's retry budget",
+                    retry_after_s=runtime.retry_budget.refill_in(),
+                )
+            assert retry_class is not None
+            record.retry_reasons.append(retry_class)
+            runtime.telemetry.retry(retry_class)
+            runtime.dispatcher.release(self.seat)
+            self.seat = None
+            backoff_start = runtime.clock.now()
+            await asyncio.sleep(decision.delay_s)
+            record.backoffs.append((backoff_start, runtime.clock.now()))
+            try:
+                self.seat = await runtime.dispatcher.reseat(
+                    frozenset({replica.name}), deadline.remaining(runtime.clock.now())
+                )
+            except TimeoutError as exc:
+                raise TotalTimeout("no seat for a retry within the total budget") from exc
+            self.ticket.granted_at = runtime.clock.now()  # seat time is per seat, not per request
+
+    async def _send_single_attempt(self, replica: Replica) -> Committed:
+        runtime, record = self.runtime, self.record
+        self.attempts += 1
+        record.attempts = self.attempts
+        record.replica = replica.name
+        extra = {"X-Request-Id": record.request_id}
+        if replica.api_key:
+            extra["Authorization"] = f"Bearer {replica.api_key}"
+        trace = record.trace
+        tracing = runtime.telemetry.tracing
+        if trace is not None:
+            tracing.upstream_started(trace, record, replica.name, runtime.clock.now(), extra)
+        try:
+            committed = await attempt(
+                runtime.client_session(), replica, self._upstream, self.admitted.deadline,
+                runtime.clock, extra_headers=extra, client_timeout=self.rules.upstream_timeout,
+            )  # fmt: skip
+        except ProxyError as err:
+            if trace is not None:
+                tracing.upstream_ended(trace, record, runtime.clock.now(), error=err.reason)
+            raise
+        except BaseException:
+            if trace is not None:
+                tracing.upstream_ended(trace, record, runtime.clock.now(), error="cancelled")
+            raise
+        if trace is not None:
+            tracing.upstream_ended(trace, record, committed.first_byte_at, status=committed.status)
+        record.first_byte_at = committed.first_byte_at
+        record.upstream_status = committed.status
+        if replica.config.gpu_index is not None:
+            reading = runtime.gpu.snapshot.get(replica.config.gpu_index)
+            if reading is not None:
+                record.gpu = {
+                    "utilization": reading.utilization,
+                    "memory_used_ratio": reading.memory_ratio,
+                }
+        return committed
+
+    async def _relay(self, committed: Committed) -> web.StreamResponse:
+        record = self.record
+        status = record.status = committed.status
+        extra = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
+        if not 200 <= status < 300:
+            extra["X-Admission-Reason"] = "upstream_status"
+            record.outcome, record.reason = "failed", "upstream_status"
+        whole = relay_whole(committed, record, extra, self.relayed)
+        if whole is not None:
+            return whole
+        return await relay(
+            self.request, committed, record, self.admitted.deadline, self.runtime.clock,
+            idle_s=self.rules.config.timeouts.idle_ms / 1000.0, extra_headers=extra,
+            relayed=self.relayed,
+            on_upstream_done=self._upstream_finished if self.ticket is not None else None,
+        )  # fmt: skip
+
+
+def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamRequest:
+    headers = end_to_end_headers(request.headers, NOT_FORWARDED)
+    forwarded = request.headers.get("X-Forwarded-For")
+    peer = request.remote or ""
+    headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer
+    headers["Accept-Encoding"] = "identity"  # the relay reads SSE events as they pass
+    return UpstreamRequest(
+        method=request.method,
+        path_qs=admitted.path_qs,
+        headers=headers,
+        body=admitted.body,
+        streaming=admitted.streaming,
+        # Inference routes are safe to repeat before the first byte (docs/REFERENCE.md,
+        # retry classes), and so are safe methods anywhere (RFC 9110 section 9.2.1).
+        resend_on_stale=admitted.inference or request.method in SAFE_METHODS,
+    )

@@ -1,0 +1,191 @@
+"""The wait a new ticket expects, and the ``Retry-After`` of a refusal.
+
+Both start from the capacity the serving seats give now (seats over the
+mean seat time, ``estimators.SeatTime``), never from a rate measured over the
+tenant's own recent past. Read by the admission decisions (``admission.py``)
+through the dispatcher; fed by it when a seat is granted and given back. No
+I/O and no clock reads here: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from proxy.estimators import RecentDispatches, SeatTime
+
+if TYPE_CHECKING:
+    from proxy.replicas import Replica, ReplicaPool
+    from proxy.scheduler import Scheduler
+
+#: Retry-After when nothing is known yet about seat times.
+DEFAULT_FREE_PLACE_S = 1.0
+#: The wait estimator fails open until it has seen this many dispatches end
+#: (their seat times), so a cold proxy never refuses on no data.
+MIN_DISPATCHES_TO_PREDICT = 20
+
+
+class Flow(NamedTuple):
+    """What only the dispatcher knows about a tenant's flow right now."""
+
+    cap: int | None
+    at_cap: bool
+    #: Retries waiting for a seat: each takes one ahead of every queued ticket.
+    reseating: int
+
+
+class Waits:
+    """The wait and ``Retry-After`` estimates, from the capacity the seats give now.
+
+    It reads the pool's serving seats and the scheduler's queues but changes
+    neither; what only the dispatcher knows it asks through ``flow``.
+    """
+
+    __slots__ = ("_flow", "_pool", "_recent", "_running", "_scheduler", "seat_time")
+
+    def __init__(
+        self, pool: ReplicaPool, scheduler: Scheduler, flow: Callable[[str], Flow]
+    ) -> None:
+        self._pool = pool
+        self._scheduler = scheduler
+        self._flow = flow
+        self.seat_time = SeatTime()
+        self._recent = RecentDispatches()
+        #: When each running request got its seat, and where (for the release times).
+        self._running: dict[int, tuple[float, Replica]] = {}
+
+    def started(self, ticket_id: int, tenant: str, replica: Replica, now: float) -> None:
+        self._running[ticket_id] = (now, replica)
+        self._recent.record(tenant, now)
+
+    def ended(self, ticket_id: int, held_s: float | None) -> None:
+        """A seat went back; ``held_s`` is its seat time when it counts (no grace)."""
+        if held_s is not None:
+            self.seat_time.record(held_s)
+        self._running.pop(ticket_id, None)
+
+    def forget_idle(self, now: float) -> None:
+        self._recent.forget_idle(now)
+
+    def predict(self, tenant: str, priority: str, now: float) -> float | None:
+        """Expected queue wait of a new ticket under the fair-share rule; None: no data.
+
+        Fails open until ``MIN_DISPATCHES_TO_PREDICT`` seat times are known.
+        """
+        if self.seat_time.count < MIN_DISPATCHES_TO_PREDICT:
+            return None
+        return self.estimate(tenant, priority, now)
+
+    def retry_after_queue_timeout(self, tenant: str, priority: str, now: float) -> float:
+        """The wait a new ticket of this flow expects now (Retry-After of queue_timeout)."""
+        estimate = self.estimate(tenant, priority, now)
+        return DEFAULT_FREE_PLACE_S if estimate is None else estimate
+
+    def time_to_free_place(self, tenant: str, priority: str, now: float) -> float:
+        """Expected time until the tenant's queue moves by one (Retry-After of 429s).
+
+        One over the rate its flow drains at now (``drain_rates``); only a
+        proxy that has seen no seat time yet says ``DEFAULT_FREE_PLACE_S``.
+        """
+        rates = self.drain_rates(tenant, priority, now)
+        return 1.0 / rates[0] if rates else DEFAULT_FREE_PLACE_S
+
+    def capacity(self) -> float | None:
+        """Dispatches per second the serving seats sustain: seats over the mean seat time.
+
+        What the fleet *can* serve now, whatever it was asked lately: the seats
+        of replicas serving now (a lost replica's seats are gone at once; the
+        rate dispatched before the loss is not), and a seat time that a quiet
+        period does not change.
+        """
+        seats = sum(r.limit for r in self._pool.replicas if r.serving)
+        mean = self.seat_time.mean_s
+        if not seats or not mean:
+            return None
+        return seats / mean
+
+    def drain_rates(self, tenant: str, priority: str, now: float) -> tuple[float, float] | None:
+        """Dispatches per second for this flow, and for the queue as a whole; None: no data.
+
+        Both start from the capacity the seats give now (``capacity``), never
+        from a rate measured over the tenant's own recent past: after a quiet
+        period that rate is a few requests a minute, and a burst that the
+        seats would serve in a second was refused.
+
+        The flow gets its fair share among the flows backlogged now (a lone
+        flow: all of it), less what other tenants, not queued at this
+        instant, have been taking over the last seconds beyond what the
+        backlogged ones are due: fair queuing lets them keep what they use
+        below their share, so a snapshot of the queues alone rated a flow far
+        too fast whenever the others' queues happened to be empty. The queue
+        as a whole drains at the capacity less everything the others take.
+        Neither falls below the flow's share if every recently active tenant
+        were backlogged too (each counted as one more flow of its weight):
+        that much fair queuing guarantees it. A tenant with a concurrency cap
+        drains no faster than its cap turns over.
+        """
+        capacity = self.capacity()
+        if capacity is None:
+            return None
+        scheduler = self._scheduler
+        share = scheduler.share_of(tenant, priority)
+        others = self._recent.others_per_second(tenant, now)
+        idle_take = max(0.0, others - (1.0 - share) * capacity)
+        returning = sum(
+            1 for t in self._recent.active(now) if t != tenant and not scheduler.depth(t)
+        )
+        floor = capacity / (1.0 / share + returning)
+        flow = max(min(share * capacity, capacity - idle_take), floor)
+        cap = self._flow(tenant).cap
+        mean = self.seat_time.mean_s
+        if cap and mean:
+            flow = min(flow, cap / mean)
+        return flow, max(capacity - others, floor)
+
+    def estimate(self, tenant: str, priority: str, now: float) -> float | None:
+        """Time until a new ticket of this flow gets a seat.
+
+        It gets one when the seats have freed as many times as the work ahead
+        of it takes: its place in its flow scaled by the flow's share, or
+        everything queued now scaled by the queue's, whichever is sooner
+        (unless its own cap holds it back: then its own seats turn over).
+        Retries waiting for a seat (``reseating``) take one ahead of every
+        queued ticket.
+        """
+        rates = self.drain_rates(tenant, priority, now)
+        if rates is None:
+            return None
+        flow, whole = rates
+        own = self._scheduler.depth_by_class(tenant, priority) + 1
+        state = self._flow(tenant)
+        if state.at_cap:
+            return own / flow
+        capacity = self.capacity()
+        assert capacity is not None  # known whenever the rates are
+        queued = len(self._scheduler) + 1
+        releases = min(own * capacity / flow, queued * capacity / whole) + state.reseating
+        return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now)
+
+    def _time_to_release(self, n: int, now: float) -> float:
+        """When the serving seats will have freed ``n`` times, from what they run now.
+
+        Each busy seat frees when its request has held it the mean seat time
+        (at once if it is past that), then every mean seat time; a free seat
+        counts as freeing now. Seats that started together free together, so
+        this is a staircase, not ``n`` over the capacity: near the budget the
+        difference decides.
+        """
+        mean = self.seat_time.mean_s
+        seats = sum(r.limit for r in self._pool.replicas if r.serving)
+        if not mean or not seats:
+            return 0.0
+        due = sorted(
+            max(0.0, mean - (now - granted_at))
+            for granted_at, replica in self._running.values()
+            if replica.serving
+        )[:seats]
+        due.extend([0.0] * (seats - len(due)))
+        due.sort()
+        rounds, index = divmod(n - 1, seats)
+        return due[index] + rounds * mean
