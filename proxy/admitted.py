@@ -84,3 +84,11 @@ class Admitted:
     cost: float
     #: The normalised path (and the query as sent): what the replica receives.
     path_qs: str
+    #: The served model the request goes to (after aliasing); ``None``: not routed by model.
+    model: str | None = None
+    #: The replicas that serve ``model``; ``None``: any replica (one implicit pool).
+    pool: frozenset[str] | None = None
+    #: ``GET /v1/models`` answered by the proxy from the model table.
+    listing: bool = False
+    #: ``routing.policy: prefix_affinity``: the key that picks the replica (a hash only).
+    affinity: int | None = None

@@ -25,11 +25,12 @@ from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
 from proxy.entrance import handle
 from proxy.health import Health
+from proxy.models import ModelTable
 from proxy.quotas import EntranceQuotas
 from proxy.reload import RELOADER, Reloader
 from proxy.replicas import Replica, ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
-from proxy.runtime import RUNTIME, Rules, Runtime
+from proxy.runtime import RUNTIME, Rules, Runtime, configure_models
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
 from proxy.tasks import stop
@@ -106,7 +107,11 @@ def build_runtime(
         access_log=_access_log(access_log),
         tracing=Tracing(tracer_provider),
     )
-    health = Health(pool, config, clock, dispatcher.pump)
+    models = ModelTable({}, {})
+    configure_models(models, config)
+    dispatcher.models = models
+    dispatcher.affinity.max_load_factor = config.routing.max_load_factor
+    health = Health(pool, config, clock, dispatcher.pump, models=models)
     rng = random.Random(seed)
     retry_policy = RetryPolicy(config.retry, rng)
     retry_budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries_per_s, clock)
@@ -118,7 +123,7 @@ def build_runtime(
     sampler = GpuSampler(probe, gpu_guard, config.gpu.sample_ms / 1000.0)
     return Runtime(
         rules, clock, pool, dispatcher, quotas, telemetry, health, retry_policy, retry_budget,
-        sampler,
+        sampler, models=models,
     )  # fmt: skip
 
 

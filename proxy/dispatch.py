@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from proxy import admission
 from proxy.admission import TenantLimits
 from proxy.admitted import Deadline
+from proxy.affinity import AffinityKey
 from proxy.clock import Clock
 from proxy.errors import ProxyError, ShuttingDown
 from proxy.estimators import RecentUsage
+from proxy.models import ModelTable
+from proxy.pools import AffinityRouter, PoolQueues
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler, Ticket
 from proxy.waits import Flow, Waits
@@ -53,6 +56,7 @@ class _Reseat:
     future: asyncio.Future[Seat]
     exclude: frozenset[ReplicaName]
     strict: bool
+    model: str | None
 
 
 class Dispatcher:
@@ -71,12 +75,19 @@ class Dispatcher:
         benchmark's twin proxy, which shows what the refused requests would
         have met); it is no config key."""
         self.pool = pool
-        self.scheduler = scheduler
+        #: One queue per model pool (``pools.py``); read as a whole, it is one scheduler.
+        self.scheduler = PoolQueues(scheduler)
+        #: Which replicas serve a model now (set by ``app.py``); ``None``: one pool.
+        self.models: ModelTable | None = None
+        #: ``prefix_affinity`` replica choice (its bound set from ``routing``).
+        self.affinity = AffinityRouter()
         self._clock = clock
         self._limits = dict(limits)
         self._inflight: dict[str, int] = {}
         self._predictive_rejection = predictive_rejection
-        self.waits = Waits(pool, scheduler, self._flow)
+        self.waits = Waits(
+            pool, self.scheduler, self._flow, queue_of=self.scheduler.of, members=self.members
+        )
         self._usage = RecentUsage()
         self._grants = 0
         self._headroom_grants: dict[str, int] = {}
@@ -121,18 +132,23 @@ class Dispatcher:
         """The same per tenant (``admission_headroom_dispatches_total``)."""
         return dict(self._headroom_grants)
 
-    def below_fair_share(self, tenant: str, priority: str, now: float) -> bool:
+    def below_fair_share(
+        self, tenant: str, priority: str, now: float, model: str | None = None
+    ) -> bool:
         """The tenant's recent share of the work is under its weighted share.
 
         Its share counts the flows backlogged now plus itself, so with nobody
         else waiting it is 1.0 and a lone tenant never qualifies: headroom is
         for isolation, not extra throughput.
         """
-        return self._usage.fraction(tenant, now) < self.scheduler.share_of(tenant, priority)
+        share = self.scheduler.share_in(model, tenant, priority)
+        return self._usage.fraction(tenant, now) < share
 
-    def predict_wait(self, tenant: str, priority: str, now: float) -> float | None:
-        """Expected queue wait of a new ticket of this flow now; None: no data yet."""
-        return self.waits.predict(tenant, priority, now)
+    def predict_wait(
+        self, tenant: str, priority: str, now: float, model: str | None = None
+    ) -> float | None:
+        """Expected queue wait of a new ticket of this flow (in its pool) now; None: no data."""
+        return self.waits.predict(tenant, priority, now, model)
 
     def __repr__(self) -> str:
         return (
@@ -143,23 +159,38 @@ class Dispatcher:
     # -- the queueing stage ------------------------------------------------------------
 
     def enqueue(self, tenant: str, priority: str, cost: float, deadline: Deadline) -> Ticket:
+        """``enqueue_in`` the one implicit pool (a deployment not routed by model)."""
+        return self.enqueue_in(None, tenant, priority, cost, deadline)
+
+    def enqueue_in(
+        self,
+        model: str | None,
+        tenant: str,
+        priority: str,
+        cost: float,
+        deadline: Deadline,
+        *,
+        affinity: int | None = None,
+    ) -> Ticket:
         """Grant a seat at once, place a ticket in its tenant's queue, or refuse.
 
-        With nobody queued, a free seat and room under its cap, the ticket is
-        granted here without touching the scheduler (the common, unloaded
-        case); ``wait`` then returns without suspending.
+        With nobody queued in its pool, a free seat there and room under its
+        cap, the ticket is granted here without touching the scheduler (the
+        common, unloaded case); ``wait`` then returns without suspending.
+        ``model``: the pool whose replicas it may use (``None``: every replica);
+        ``affinity``: its ``prefix_affinity`` key.
         """
         if self._closed is not None:
             raise admission.shutting_down()
         now = self._clock.now()
         expires_at = deadline.queue_expires_at(now)
-        replica = self._replica_for_immediate_start(tenant)
+        replica = self._replica_for_immediate_start(tenant, model, affinity)
         headroom = False
         if replica is None:
-            replica = self._headroom_for(tenant, priority, now)
+            replica = self._headroom_for(tenant, priority, now, model)
             headroom = replica is not None
         if replica is not None:
-            ticket = Ticket(tenant, priority, cost, now, expires_at)
+            ticket = Ticket(tenant, priority, cost, now, expires_at, model=model, affinity=affinity)
             self._grant(ticket, self.pool.lease(replica), now)
             if headroom:
                 self._headroom_grants[tenant] = self._headroom_grants.get(tenant, 0) + 1
@@ -167,16 +198,19 @@ class Dispatcher:
         depth = self.scheduler.depth(tenant)
         refusal = admission.queue_refusal(
             tenant, self.limits_for(tenant), depth, at_cap=self._at_cap(tenant),
-            free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now),
+            free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now, model),
         )  # fmt: skip
         if refusal is None and self._predictive_rejection:
             refusal = admission.wait_refusal(
-                self.predict_wait(tenant, priority, now), expires_at - now
+                self.predict_wait(tenant, priority, now, model), expires_at - now
             )
         if refusal is not None:
             raise refusal
         loop = asyncio.get_running_loop()
-        ticket = Ticket(tenant, priority, cost, now, expires_at, future=loop.create_future())
+        ticket = Ticket(
+            tenant, priority, cost, now, expires_at, future=loop.create_future(), model=model,
+            affinity=affinity,
+        )  # fmt: skip
         self.scheduler.push(ticket)
         if depth + 1 > self._high_water.get(tenant, 0):
             self._high_water[tenant] = depth + 1
@@ -196,7 +230,9 @@ class Dispatcher:
             self._abandon(ticket)
             raise
 
-    async def reseat(self, exclude: frozenset[ReplicaName], timeout_s: float) -> Seat:
+    async def reseat(
+        self, exclude: frozenset[ReplicaName], timeout_s: float, model: str | None = None
+    ) -> Seat:
         """A seat for a retry, ahead of every queued ticket, preferring another replica.
 
         The retry kept its tenant place during its backoff; only the replica
@@ -206,8 +242,12 @@ class Dispatcher:
         ``TimeoutError`` when no seat frees in time.
         """
         loop = asyncio.get_running_loop()
-        strict = any(r.dispatchable and r.name not in exclude for r in self.pool.replicas)
-        waiter = _Reseat(loop.create_future(), exclude, strict)
+        members = self.members(model)
+        strict = any(
+            r.dispatchable and r.name not in exclude and (members is None or r.name in members)
+            for r in self.pool.replicas
+        )
+        waiter = _Reseat(loop.create_future(), exclude, strict, model)
         self._reseating.append(waiter)
         relax = None
         if strict:
@@ -311,18 +351,26 @@ class Dispatcher:
             if waiter.future.done():
                 self._reseating.remove(waiter)
                 continue
-            replica = self.pool.choose(waiter.exclude, strict=waiter.strict)
+            replica = self.pool.choose(
+                waiter.exclude, strict=waiter.strict, among=self.members(waiter.model)
+            )
             if replica is None:
                 continue
             self._reseating.remove(waiter)
             waiter.future.set_result(self.pool.lease(replica))
-        while len(self.scheduler):
-            replica = self.pool.choose()
-            if replica is None:
-                return
-            ticket = self.scheduler.pop()
+        # Pools take turns, one grant each, so pools sharing a replica share its seats.
+        waiting = self.scheduler.waiting_models()
+        while waiting:
+            waiting = [model for model in waiting if self._pump_one(model)]
+
+    def _pump_one(self, model: str | None) -> bool:
+        """Grant (or fail, if expired) the next ticket of one pool; False: nothing to do."""
+        while True:
+            if self.pool.choose(among=self.members(model)) is None:
+                return False
+            ticket = self.scheduler.pop_from(model)
             if ticket is None:
-                return
+                return False
             if ticket.future is None or ticket.future.done():
                 # Its waiter was cancelled and has not yet run ``_abandon``.
                 continue
@@ -330,7 +378,27 @@ class Dispatcher:
             if ticket.expires_at <= now:
                 self._fail(ticket, self._expiry(ticket, now))
                 continue
+            replica = self._choose(model, ticket.affinity)
+            assert replica is not None  # a seat of the pool was free above
             self._grant(ticket, self.pool.lease(replica), now)
+            return True
+
+    def _choose(self, model: str | None, affinity: int | None) -> Replica | None:
+        """The replica for a ticket of ``model``'s pool: by its affinity key on the
+        ring when it has one and a replica fits the bound, else the least loaded."""
+        members = self.members(model)
+        if affinity is not None:
+            key = AffinityKey(affinity)
+            replica = self.affinity.choose(self.pool.replicas, members, key)
+            if replica is not None:
+                return replica
+        return self.pool.choose(among=members)
+
+    def members(self, model: str | None) -> frozenset[str] | None:
+        """The replicas of ``model``'s pool now; ``None``: every replica."""
+        if model is None or self.models is None:
+            return None
+        return self.models.pool(model)
 
     def _grant(self, ticket: Ticket, seat: Seat, now: float) -> None:
         if ticket.timer is not None:
@@ -354,13 +422,18 @@ class Dispatcher:
         cap = limits.max_concurrency if limits is not None else None
         return cap is not None and self._inflight.get(tenant, 0) >= cap
 
-    def _replica_for_immediate_start(self, tenant: str) -> Replica | None:
-        """A free replica when the ticket may skip the queue: nobody waits, under its cap."""
-        if len(self.scheduler) or self._reseating or self._at_cap(tenant):
+    def _replica_for_immediate_start(
+        self, tenant: str, model: str | None, affinity: int | None
+    ) -> Replica | None:
+        """A free replica when the ticket may skip the queue: nobody waits in its pool,
+        under its cap."""
+        if self.scheduler.depth_of_model(model) or self._reseating or self._at_cap(tenant):
             return None
-        return self.pool.choose()
+        return self._choose(model, affinity)
 
-    def _headroom_for(self, tenant: str, priority: str, now: float) -> Replica | None:
+    def _headroom_for(
+        self, tenant: str, priority: str, now: float, model: str | None
+    ) -> Replica | None:
         """A seat above the knee for a tenant below its fair share with nothing queued.
 
         Its own queue must be empty (its tickets keep their order) and it must
@@ -370,10 +443,10 @@ class Dispatcher:
             not self.pool.offers_headroom()
             or self._at_cap(tenant)
             or self.scheduler.depth(tenant)
-            or not self.below_fair_share(tenant, priority, now)
+            or not self.below_fair_share(tenant, priority, now, model)
         ):
             return None
-        return self.pool.choose(headroom=True)
+        return self.pool.choose(headroom=True, among=self.members(model))
 
     # -- refusals after the wait -------------------------------------------------------
 
@@ -382,13 +455,14 @@ class Dispatcher:
         return Flow(cap, self._at_cap(tenant), len(self._reseating))
 
     def _expiry(self, ticket: Ticket, now: float) -> ProxyError:
-        tenant, priority = ticket.tenant, ticket.priority
+        tenant, priority, model = ticket.tenant, ticket.priority, ticket.model
         return admission.expiry(
             tenant,
             now - ticket.enqueued_at,
-            held_by_cap=self._at_cap(tenant) and self.pool.choose() is not None,
-            free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now),
-            wait_s=lambda: self.waits.retry_after_queue_timeout(tenant, priority, now),
+            held_by_cap=self._at_cap(tenant)
+            and self.pool.choose(among=self.members(model)) is not None,
+            free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now, model),
+            wait_s=lambda: self.waits.retry_after_queue_timeout(tenant, priority, now, model),
         )
 
     def _fail(self, ticket: Ticket, error: Exception) -> None:

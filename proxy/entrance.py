@@ -33,6 +33,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted, Deadline
+from proxy.affinity import affinity_key
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -48,6 +49,7 @@ from proxy.errors import (
 )
 from proxy.estimators import DEFAULT_OUTPUT_TOKENS
 from proxy.exchange import Exchange
+from proxy.models import ModelRefusal
 from proxy.paths import forwardable, normalise_path
 from proxy.record import RequestRecord
 from proxy.runtime import RUNTIME, Rules, Runtime
@@ -205,6 +207,14 @@ async def _admit(
     seatless = method in ("GET", "HEAD") or route in SEATLESS_PATHS
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
+    model, pool, body = _choose_pool(doc, body, tenant_config.allowed_models, runtime)
+    listing = route == "/v1/models" and method == "GET" and runtime.models.pooled
+    routing = config.routing
+    affinity = None
+    if doc is not None and routing.policy == "prefix_affinity":
+        affinity = affinity_key(
+            doc, headers, header=routing.affinity_header, prefix_chars=routing.affinity_prefix_chars
+        )
     record.entrance_done = runtime.clock.now()
     if runtime.shutting_down:  # seatless requests included: nothing new starts
         raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
@@ -218,7 +228,34 @@ async def _admit(
         inference=inference,
         cost=estimate_cost(body, doc, runtime.output_tokens.expected(tenant)),
         path_qs=path + "?" + query if (query := request.rel_url.raw_query_string) else path,
+        model=model,
+        pool=pool,
+        listing=listing,
+        affinity=affinity,
     )
+
+
+def _choose_pool(
+    doc: dict[str, Any] | None, body: bytes, allowed: tuple[str, ...] | None, runtime: Runtime
+) -> tuple[str | None, frozenset[str] | None, bytes]:
+    """The served model, its replicas and the body to send; or the model refusal.
+
+    Only an inference body is routed by model, and only while the table is
+    ``pooled`` (``models.py``): a single-model deployment without static
+    lists, aliases or ``allowed_models`` sends every body unchanged to any
+    replica. The body is rewritten only when the client named an alias, so
+    the replica gets the model it serves.
+    """
+    table = runtime.models
+    if doc is None or not table.pooled:
+        return None, None, body
+    asked = doc.get("model")
+    choice = table.select(asked, allowed=allowed)
+    if isinstance(choice, ModelRefusal):
+        raise choice.error()
+    if isinstance(asked, str) and asked != choice.model:
+        body = json.dumps({**doc, "model": choice.model}, ensure_ascii=False).encode()
+    return choice.model, choice.replicas, body
 
 
 def _identify(headers: CIMultiDictProxy[str], rules: Rules) -> str:

@@ -100,6 +100,8 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         runtime = self.runtime
+        if self.admitted.listing:
+            return self._list_models()
         if self.admitted.seatless:
             replica = runtime.pool.choose_any()
             if replica is None:
@@ -136,18 +138,32 @@ class Exchange:
         runtime, admitted = self.runtime, self.admitted
         if runtime.shutting_down:
             raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
-        if not runtime.pool.any_usable():
+        if not runtime.pool.any_usable(admitted.pool):
             raise NoHealthyReplica(
                 "every replica is ejected or drained",
                 retry_after_s=runtime.health.earliest_return_s(),
             )
         dispatcher = runtime.dispatcher
-        ticket = self.ticket = dispatcher.enqueue(
-            admitted.tenant, admitted.priority, admitted.cost, admitted.deadline
-        )
+        flow = (admitted.tenant, admitted.priority, admitted.cost, admitted.deadline)
+        if admitted.model is None and admitted.affinity is None:
+            ticket = self.ticket = dispatcher.enqueue(*flow)
+        else:
+            ticket = self.ticket = dispatcher.enqueue_in(
+                admitted.model, *flow, affinity=admitted.affinity
+            )
         self.record.enqueued_at = ticket.enqueued_at
         self.record.queue_depth_at_enqueue = dispatcher.scheduler.depth(admitted.tenant)
         return ticket
+
+    def _list_models(self) -> web.Response:
+        """``GET /v1/models`` from the model table: healthy replicas' models and
+        aliases, only those the tenant may use; no seat, no replica asked."""
+        runtime, record = self.runtime, self.record
+        allowed = self.rules.config.tenants[self.admitted.tenant].allowed_models
+        healthy = {r.name for r in runtime.pool.replicas if r.serving}
+        record.status = 200
+        headers = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
+        return web.json_response(runtime.models.list_response(allowed, healthy), headers=headers)
 
     def _upstream_finished(self) -> None:
         """The replica finished: its seat goes back now, not after the client drains."""
@@ -224,7 +240,9 @@ class Exchange:
             record.backoffs.append((backoff_start, runtime.clock.now()))
             try:
                 self.seat = await runtime.dispatcher.reseat(
-                    frozenset({replica.name}), deadline.remaining(runtime.clock.now())
+                    frozenset({replica.name}),
+                    deadline.remaining(runtime.clock.now()),
+                    self.admitted.model,
                 )
             except TimeoutError as exc:
                 raise TotalTimeout("no seat for a retry within the total budget") from exc

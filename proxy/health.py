@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.clock import Clock
 from proxy.errors import ProxyError
+from proxy.models import ModelTable, parse_model_list
 from proxy.replicas import Replica, ReplicaPool
 from proxy.settings import Config
 from proxy.telemetry.gpu import GpuReading
@@ -121,8 +122,13 @@ class Health:
         config: Config,
         clock: Clock,
         on_change: Callable[[], None],
+        *,
+        models: ModelTable | None = None,
     ) -> None:
         self._pool = pool
+        #: Fed by discovery: a replica without static ``models`` is asked its
+        #: ``GET /v1/models`` at warm-up and after every successful probe.
+        self._models = models
         self._config = config
         self._clock = clock
         self._on_change = on_change
@@ -210,6 +216,8 @@ class Health:
             self.refresh_saturation()
 
     async def _start(self, replica: Replica) -> None:
+        if not replica.warming:
+            await self._model_of(replica)  # discovery; warm-up does it otherwise
         if replica.warming:
             if await self._warm(replica):
                 self._came_up(replica)
@@ -241,9 +249,11 @@ class Health:
             return
         if not await self._probe(replica):
             self._count_failure(replica, passive=False)
-        elif not replica.draining:
+            return
+        if not replica.draining:
             replica.failures = 0
             self._came_up(replica)
+        await self._model_of(replica)  # discovery: adapters come and go without a reload
 
     async def _probe(self, replica: Replica) -> bool:
         """One GET of the health path; why it failed is kept for ``/admin/state``."""
@@ -288,6 +298,14 @@ class Health:
             replica.warming = False
 
     async def _model_of(self, replica: Replica) -> str | None:
+        """The model a warm-up names: the first its ``GET /v1/models`` lists.
+
+        That answer also feeds the model table (discovery); a replica with
+        static ``models`` is never asked and warms up with its first one.
+        """
+        table = self._models
+        if table is not None and not table.discovers(replica.name):
+            return replica.config.models[0] if replica.config.models else None
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
                                  IndexError, TypeError):  # fmt: skip
             async with self._get_session().get(
@@ -296,7 +314,12 @@ class Health:
                 timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
             ) as resp:
                 if resp.status == 200:
-                    return str((await resp.json(content_type=None))["data"][0]["id"])
+                    body = await resp.read()
+                    if table is not None and table.update(replica.name, parse_model_list(body)):
+                        log.info("replica models changed", replica=replica.name,
+                                 models=sorted(table.models_of(replica.name)))  # fmt: skip
+                        self._on_change()
+                    return str(json.loads(body)["data"][0]["id"])
         return None
 
     async def _warmup_request(self, replica: Replica, model: str | None) -> bool:

@@ -162,7 +162,7 @@ class ModelTable:
     PoolChoice(model='llama-8b', replicas=frozenset({'gpu-0'}))
     """
 
-    __slots__ = ("_aliases", "_served", "_static")
+    __slots__ = ("_aliases", "_served", "_static", "restricted")
 
     def __init__(
         self, replicas: Mapping[str, Iterable[str] | None], aliases: Mapping[str, str]
@@ -172,6 +172,47 @@ class ModelTable:
             name: frozenset(models or ()) for name, models in replicas.items()
         }
         self._aliases = dict(aliases)
+        #: Some tenant has ``allowed_models``: the body's ``model`` must be checked.
+        self.restricted = False
+
+    @property
+    def pooled(self) -> bool:
+        """Whether requests are routed by model at all.
+
+        Not when no replica lists ``models``, no alias and no ``allowed_models``
+        is configured, and discovery has found at most one model: the common
+        single-model deployment. Then every replica (its models known or not)
+        is the one implicit pool, bodies go upstream unchanged and ``GET
+        /v1/models`` is the replica's own answer, exactly as without pools.
+        """
+        return bool(
+            self._static or self._aliases or self.restricted or len(self.served_models()) > 1
+        )
+
+    def reconfigure(
+        self,
+        replicas: Mapping[str, Iterable[str] | None],
+        aliases: Mapping[str, str],
+        *,
+        restricted: bool,
+    ) -> None:
+        """A reloaded config: static lists and aliases replaced, discoveries kept.
+
+        A replica that turns from static to discovered serves nothing until its
+        next probe; a replica gone from the config is forgotten.
+        """
+        served: dict[str, frozenset[str]] = {}
+        for name, models in replicas.items():
+            if models is not None:
+                served[name] = frozenset(models)
+            elif name not in self._static:
+                served[name] = self._served.get(name, frozenset())
+            else:
+                served[name] = frozenset()
+        self._static = frozenset(name for name, models in replicas.items() if models is not None)
+        self._served = served
+        self._aliases = dict(aliases)
+        self.restricted = restricted
 
     @classmethod
     def from_config(
@@ -179,6 +220,15 @@ class ModelTable:
     ) -> ModelTable:
         """The table of a config's ``replicas`` and ``model_aliases``, before any discovery."""
         return cls({replica.name: replica.models for replica in replicas}, aliases)
+
+    def discovers(self, replica: str) -> bool:
+        """Whether the prober asks this replica's ``GET /v1/models`` (no static list)."""
+        return replica not in self._static
+
+    def target_of(self, name: str) -> str | None:
+        """The served model an alias stands for, ``None`` when ``name`` is no alias in use."""
+        resolved = self.resolve(name)
+        return resolved if resolved != name else None
 
     def __repr__(self) -> str:
         pools = ", ".join(

@@ -186,18 +186,22 @@ class ReplicaPool:
         *,
         strict: bool = False,
         headroom: bool = False,
+        among: frozenset[str] | None = None,
     ) -> Replica | None:
         """The free replica with the lowest load ratio.
 
         ``exclude`` is a preference: an excluded replica is chosen only when
         no other is free, and never when ``strict``. With ``headroom``, seats
-        above the knee count as free too.
+        above the knee count as free too. ``among``: only these replicas (a
+        model pool); ``None``: all.
         """
         best: list[Replica] = []
         best_load = math.inf
         fallback: list[Replica] = []
         for replica in self._by_name.values():
             if not (replica.has_headroom_seat if headroom else replica.has_free_seat):
+                continue
+            if among is not None and replica.name not in among:
                 continue
             if replica.name in exclude:
                 fallback.append(replica)
@@ -220,7 +224,7 @@ class ReplicaPool:
             return None
         return min(serving, key=lambda r: (r.load, self._rng.random()))
 
-    def any_usable(self) -> bool:
+    def any_usable(self, among: frozenset[str] | None = None) -> bool:
         """False only when every replica is ejected or drained: then refuse at once.
 
         A warming or saturated replica still counts: requests wait for it. A
@@ -229,6 +233,7 @@ class ReplicaPool:
         return any(
             not (r.ejected or r.draining or (r.starting and not r.warming))
             for r in self._by_name.values()
+            if among is None or r.name in among
         )
 
     def add(self, replica: Replica) -> None:

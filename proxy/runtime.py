@@ -20,6 +20,7 @@ from proxy.clock import Clock
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.estimators import OutputTokens
 from proxy.health import Health
+from proxy.models import ModelTable
 from proxy.quotas import EntranceQuotas
 from proxy.replicas import ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
@@ -91,6 +92,8 @@ class Runtime:
     _idle: list[asyncio.Event] = field(default_factory=list)
     #: Each tenant's recent mean output tokens: the cost of a request with no limit.
     output_tokens: OutputTokens = field(default_factory=OutputTokens)
+    #: Which replicas serve which model (static ``models`` and discovery).
+    models: ModelTable = field(default_factory=lambda: ModelTable({}, {}))
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
@@ -142,6 +145,8 @@ class Runtime:
         scheduler.set_class_weights({n: p.weight for n, p in rules.config.priorities.items()})
         scheduler.set_tenant_weights({n: t.weight for n, t in rules.config.tenants.items()})
         self.quotas.configure(rules.rate_limits())
+        configure_models(self.models, rules.config)
+        self.dispatcher.affinity.max_load_factor = rules.config.routing.max_load_factor
         self.health.set_config(rules.config)
         self.telemetry.labels.reconfigure(
             rules.config.tenants, rules.config.telemetry.max_tenant_labels
@@ -158,6 +163,15 @@ class Runtime:
         if self.session is None:
             raise RuntimeError("the upstream session is not open (app not started)")
         return self.session
+
+
+def configure_models(table: ModelTable, config: Config) -> None:
+    """A config's static ``models``, ``model_aliases`` and access lists into the table."""
+    table.reconfigure(
+        {r.name: r.models for r in config.replicas},
+        config.model_aliases,
+        restricted=any(t.allowed_models is not None for t in config.tenants.values()),
+    )
 
 
 #: The typed application key under which the app holds its runtime.

@@ -63,6 +63,10 @@ class Ticket:
     #: When the ticket got its seat (service time for the wait estimator), and the seat.
     granted_at: float | None = None
     seat: Seat | None = None
+    #: The model pool it waits in (``None``: the one implicit pool, every replica).
+    model: str | None = None
+    #: ``prefix_affinity``: the hash that picks its replica (``affinity.py``).
+    affinity: int | None = None
 
     def __repr__(self) -> str:
         return f"<Ticket #{self.id} {self.tenant}/{self.priority} cost={self.cost:.0f}>"
@@ -102,6 +106,10 @@ class Scheduler(Protocol):
         ...
 
     def __len__(self) -> int: ...
+
+    def sibling(self) -> Scheduler:
+        """An empty scheduler with the same weights (one per model pool)."""
+        ...
 
 
 class _Flow:
@@ -198,6 +206,9 @@ class FairScheduler:
             f"<FairScheduler {self._size} queued, {len(self._depth)} tenants, "
             f"{len(self._blocked)} blocked>"
         )
+
+    def sibling(self) -> FairScheduler:
+        return FairScheduler(self._class_weights, self._tenant_weights)
 
     # -- configuration -----------------------------------------------------------------
 

@@ -5,6 +5,10 @@ mean seat time, ``estimators.SeatTime``), never from a rate measured over the
 tenant's own recent past. Read by the admission decisions (``admission.py``)
 through the dispatcher; fed by it when a seat is granted and given back. No
 I/O and no clock reads here: callers pass ``now``.
+
+With model pools every estimate is the pool's (``model``; ``None``: the
+whole fleet): its serving seats, its own queue and the seats its replicas
+run now. The mean seat time is the fleet's.
 """
 
 from __future__ import annotations
@@ -42,14 +46,26 @@ class Waits:
     neither; what only the dispatcher knows it asks through ``flow``.
     """
 
-    __slots__ = ("_flow", "_pool", "_recent", "_running", "_scheduler", "seat_time")
+    __slots__ = (
+        "_flow", "_members", "_pool", "_queue_of", "_recent", "_running", "_scheduler",
+        "seat_time",
+    )  # fmt: skip
 
     def __init__(
-        self, pool: ReplicaPool, scheduler: Scheduler, flow: Callable[[str], Flow]
+        self,
+        pool: ReplicaPool,
+        scheduler: Scheduler,
+        flow: Callable[[str], Flow],
+        *,
+        queue_of: Callable[[str | None], Scheduler] | None = None,
+        members: Callable[[str | None], frozenset[str] | None] | None = None,
     ) -> None:
+        """``queue_of`` and ``members``: a model pool's queue and replicas (``pools.py``)."""
         self._pool = pool
         self._scheduler = scheduler
         self._flow = flow
+        self._queue_of = queue_of or (lambda model: scheduler)
+        self._members = members or (lambda model: None)
         self.seat_time = SeatTime()
         self._recent = RecentDispatches()
         #: When each running request got its seat, and where (for the release times).
@@ -68,30 +84,44 @@ class Waits:
     def forget_idle(self, now: float) -> None:
         self._recent.forget_idle(now)
 
-    def predict(self, tenant: str, priority: str, now: float) -> float | None:
+    def _seats(self, model: str | None) -> int:
+        members = self._members(model)
+        return sum(
+            r.limit
+            for r in self._pool.replicas
+            if r.serving and (members is None or r.name in members)
+        )
+
+    def predict(
+        self, tenant: str, priority: str, now: float, model: str | None = None
+    ) -> float | None:
         """Expected queue wait of a new ticket under the fair-share rule; None: no data.
 
         Fails open until ``MIN_DISPATCHES_TO_PREDICT`` seat times are known.
         """
         if self.seat_time.count < MIN_DISPATCHES_TO_PREDICT:
             return None
-        return self.estimate(tenant, priority, now)
+        return self.estimate(tenant, priority, now, model)
 
-    def retry_after_queue_timeout(self, tenant: str, priority: str, now: float) -> float:
+    def retry_after_queue_timeout(
+        self, tenant: str, priority: str, now: float, model: str | None = None
+    ) -> float:
         """The wait a new ticket of this flow expects now (Retry-After of queue_timeout)."""
-        estimate = self.estimate(tenant, priority, now)
+        estimate = self.estimate(tenant, priority, now, model)
         return DEFAULT_FREE_PLACE_S if estimate is None else estimate
 
-    def time_to_free_place(self, tenant: str, priority: str, now: float) -> float:
+    def time_to_free_place(
+        self, tenant: str, priority: str, now: float, model: str | None = None
+    ) -> float:
         """Expected time until the tenant's queue moves by one (Retry-After of 429s).
 
         One over the rate its flow drains at now (``drain_rates``); only a
         proxy that has seen no seat time yet says ``DEFAULT_FREE_PLACE_S``.
         """
-        rates = self.drain_rates(tenant, priority, now)
+        rates = self.drain_rates(tenant, priority, now, model)
         return 1.0 / rates[0] if rates else DEFAULT_FREE_PLACE_S
 
-    def capacity(self) -> float | None:
+    def capacity(self, model: str | None = None) -> float | None:
         """Dispatches per second the serving seats sustain: seats over the mean seat time.
 
         What the fleet *can* serve now, whatever it was asked lately: the seats
@@ -99,13 +129,15 @@ class Waits:
         rate dispatched before the loss is not), and a seat time that a quiet
         period does not change.
         """
-        seats = sum(r.limit for r in self._pool.replicas if r.serving)
+        seats = self._seats(model)
         mean = self.seat_time.mean_s
         if not seats or not mean:
             return None
         return seats / mean
 
-    def drain_rates(self, tenant: str, priority: str, now: float) -> tuple[float, float] | None:
+    def drain_rates(
+        self, tenant: str, priority: str, now: float, model: str | None = None
+    ) -> tuple[float, float] | None:
         """Dispatches per second for this flow, and for the queue as a whole; None: no data.
 
         Both start from the capacity the seats give now (``capacity``), never
@@ -125,10 +157,10 @@ class Waits:
         that much fair queuing guarantees it. A tenant with a concurrency cap
         drains no faster than its cap turns over.
         """
-        capacity = self.capacity()
+        capacity = self.capacity(model)
         if capacity is None:
             return None
-        scheduler = self._scheduler
+        scheduler = self._queue_of(model)
         share = scheduler.share_of(tenant, priority)
         others = self._recent.others_per_second(tenant, now)
         idle_take = max(0.0, others - (1.0 - share) * capacity)
@@ -143,7 +175,9 @@ class Waits:
             flow = min(flow, cap / mean)
         return flow, max(capacity - others, floor)
 
-    def estimate(self, tenant: str, priority: str, now: float) -> float | None:
+    def estimate(
+        self, tenant: str, priority: str, now: float, model: str | None = None
+    ) -> float | None:
         """Time until a new ticket of this flow gets a seat.
 
         It gets one when the seats have freed as many times as the work ahead
@@ -153,21 +187,22 @@ class Waits:
         Retries waiting for a seat (``reseating``) take one ahead of every
         queued ticket.
         """
-        rates = self.drain_rates(tenant, priority, now)
+        rates = self.drain_rates(tenant, priority, now, model)
         if rates is None:
             return None
         flow, whole = rates
-        own = self._scheduler.depth_by_class(tenant, priority) + 1
+        queue = self._queue_of(model)
+        own = queue.depth_by_class(tenant, priority) + 1
         state = self._flow(tenant)
         if state.at_cap:
             return own / flow
-        capacity = self.capacity()
+        capacity = self.capacity(model)
         assert capacity is not None  # known whenever the rates are
-        queued = len(self._scheduler) + 1
+        queued = len(queue) + 1
         releases = min(own * capacity / flow, queued * capacity / whole) + state.reseating
-        return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now)
+        return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now, model)
 
-    def _time_to_release(self, n: int, now: float) -> float:
+    def _time_to_release(self, n: int, now: float, model: str | None = None) -> float:
         """When the serving seats will have freed ``n`` times, from what they run now.
 
         Each busy seat frees when its request has held it the mean seat time
@@ -177,13 +212,14 @@ class Waits:
         difference decides.
         """
         mean = self.seat_time.mean_s
-        seats = sum(r.limit for r in self._pool.replicas if r.serving)
+        seats = self._seats(model)
         if not mean or not seats:
             return 0.0
+        members = self._members(model)
         due = sorted(
             max(0.0, mean - (now - granted_at))
             for granted_at, replica in self._running.values()
-            if replica.serving
+            if replica.serving and (members is None or replica.name in members)
         )[:seats]
         due.extend([0.0] * (seats - len(due)))
         due.sort()

@@ -1,0 +1,159 @@
+"""Model pools in the queue: one fair scheduler per pool, behind one ``Scheduler``.
+
+Seats stay per replica, but a ticket may only take a seat on a replica that
+serves its model, so each pool gets its own queue: fair sharing holds within
+a pool, and a request for an idle pool never waits behind another pool's
+backlog (a single queue would hand the head ticket a seat it cannot use, or
+make every other pool wait for it). ``PoolQueues`` keeps the ``Scheduler``
+protocol for everything that reads the queue as a whole (depths, length,
+weights, blocking a tenant at its cap), and adds ``pop_from`` and
+``waiting_models`` for the dispatcher's pump. Tickets with ``model is None``
+(a deployment not routed by model, ``ModelTable.pooled``) use the default
+scheduler: exactly the single queue of before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from proxy.affinity import AffinityKey, HashRing
+from proxy.replicas import Replica
+from proxy.scheduler import Scheduler, Ticket
+
+
+class PoolQueues:
+    """A ``Scheduler`` made of one scheduler per model (``None``: the implicit pool)."""
+
+    __slots__ = ("_blocked", "_by_model", "default")
+
+    def __init__(self, default: Scheduler) -> None:
+        self.default = default
+        self._by_model: dict[str, Scheduler] = {}
+        self._blocked: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"<PoolQueues {len(self)} queued, {len(self._by_model)} model pools>"
+
+    def of(self, model: str | None) -> Scheduler:
+        """The queue of ``model``'s pool, made on first use with the current weights."""
+        if model is None:
+            return self.default
+        queue = self._by_model.get(model)
+        if queue is None:
+            queue = self._by_model[model] = self.default.sibling()
+            for tenant in self._blocked:
+                queue.set_blocked(tenant, True)
+        return queue
+
+    def waiting_models(self) -> list[str | None]:
+        """Pools with a ticket queued now."""
+        models: list[str | None] = [m for m, q in self._by_model.items() if len(q)]
+        if len(self.default):
+            models.append(None)
+        return models
+
+    def depth_of_model(self, model: str | None) -> int:
+        queue = self.default if model is None else self._by_model.get(model)
+        return len(queue) if queue is not None else 0
+
+    def pop_from(self, model: str | None) -> Ticket | None:
+        return self.of(model).pop()
+
+    def share_in(self, model: str | None, tenant: str, priority: str) -> float:
+        return self.of(model).share_of(tenant, priority)
+
+    # -- the Scheduler protocol --------------------------------------------------------
+
+    def push(self, ticket: Ticket) -> None:
+        self.of(ticket.model).push(ticket)
+
+    def remove(self, ticket: Ticket) -> bool:
+        return self.of(ticket.model).remove(ticket)
+
+    def pop(self) -> Ticket | None:
+        """The next ticket of any pool (shutdown answers every queued one)."""
+        for model in self.waiting_models():
+            ticket = self.of(model).pop()
+            if ticket is not None:
+                return ticket
+        return None
+
+    def set_blocked(self, tenant: str, blocked: bool) -> None:
+        if blocked:
+            self._blocked.add(tenant)
+        else:
+            self._blocked.discard(tenant)
+        self.default.set_blocked(tenant, blocked)
+        for queue in self._by_model.values():
+            queue.set_blocked(tenant, blocked)
+
+    def finished(self, ticket: Ticket, actual_cost: float) -> None:
+        self.of(ticket.model).finished(ticket, actual_cost)
+
+    def depth(self, tenant: str) -> int:
+        return self.default.depth(tenant) + sum(q.depth(tenant) for q in self._by_model.values())
+
+    def depth_by_class(self, tenant: str, priority: str) -> int:
+        return self.default.depth_by_class(tenant, priority) + sum(
+            q.depth_by_class(tenant, priority) for q in self._by_model.values()
+        )
+
+    def set_class_weights(self, weights: Mapping[str, float]) -> None:
+        self.default.set_class_weights(weights)
+        for queue in self._by_model.values():
+            queue.set_class_weights(weights)
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        self.default.set_tenant_weights(weights)
+        for queue in self._by_model.values():
+            queue.set_tenant_weights(weights)
+
+    def share_of(self, tenant: str, priority: str) -> float:
+        return self.default.share_of(tenant, priority)
+
+    def sibling(self) -> Scheduler:
+        return PoolQueues(self.default.sibling())
+
+    def __len__(self) -> int:
+        return len(self.default) + sum(len(q) for q in self._by_model.values())
+
+
+class AffinityRouter:
+    """``routing.policy: prefix_affinity``: a ticket's key picks its replica in the pool.
+
+    One ``HashRing`` per pool membership (every replica of the pool, serving
+    or not, so an ejection moves only that replica's keys), built on first
+    use. Only replicas with a free seat are eligible, and the bound of
+    ``max_load_factor`` times the mean in-flight count over them spills a hot
+    key to the next replica on the ring; ``None`` sends the caller to
+    least-loaded.
+    """
+
+    __slots__ = ("_rings", "max_load_factor")
+
+    #: Rings kept at most; memberships change rarely (discovery, reload).
+    MAX_RINGS = 64
+
+    def __init__(self, max_load_factor: float = 1.25) -> None:
+        self.max_load_factor = max_load_factor
+        self._rings: dict[frozenset[str], HashRing] = {}
+
+    def choose(
+        self, replicas: Iterable[Replica], members: frozenset[str] | None, key: AffinityKey
+    ) -> Replica | None:
+        by_name: dict[str, Replica] = {
+            r.name: r for r in replicas if members is None or r.name in members
+        }
+        names = frozenset(by_name)
+        ring = self._rings.get(names)
+        if ring is None:
+            if len(self._rings) >= self.MAX_RINGS:
+                self._rings.clear()
+            ring = self._rings[names] = HashRing(names)
+        chosen = ring.choose(
+            key,
+            {name: r.inflight for name, r in by_name.items()},
+            eligible=lambda name: by_name[name].has_free_seat,
+            max_load_factor=self.max_load_factor,
+        )
+        return None if chosen is None else by_name[chosen]

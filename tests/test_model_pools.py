@@ -1,0 +1,458 @@
+"""Model pools on the request path: the body's ``model`` picks the replicas.
+
+End to end through the real proxy, against small aiohttp replicas that list
+their models on ``GET /v1/models`` and report which model each request named;
+and the dispatcher's per-pool queues on a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from proxy.admitted import Deadline
+from proxy.affinity import AffinityKey, HashRing
+from proxy.clock import FakeClock
+from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.models import ModelTable
+from proxy.replicas import Replica, ReplicaPool
+from proxy.scheduler import FairScheduler, Ticket
+from proxy.settings import BudgetsConfig, Config, ReplicaConfig, parse_config
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+ServerFactory = Callable[..., Awaitable[TestServer]]
+COMPLETIONS = "/v1/completions"
+AUTH_A = {"Authorization": f"Bearer {KEY_A}"}
+AUTH_B = {"Authorization": f"Bearer {KEY_B}"}
+
+
+@dataclass
+class ModelReplica:
+    """What one fake replica lists, what it was sent, and a gate that holds requests."""
+
+    models: list[str]
+    bodies: list[bytes] = field(default_factory=list)
+    listed: int = 0
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def named(self) -> list[str]:
+        return [json.loads(body)["model"] for body in self.bodies]
+
+
+REPLICA: web.AppKey[ModelReplica] = web.AppKey("replica", ModelReplica)
+
+
+async def _list(request: web.Request) -> web.Response:
+    state = request.app[REPLICA]
+    state.listed += 1
+    data = [{"id": m, "object": "model"} for m in state.models]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _complete(request: web.Request) -> web.Response:
+    state = request.app[REPLICA]
+    body = await request.read()
+    if request.headers.get("X-Request-Id") != "admission-warmup":
+        state.bodies.append(body)
+        await state.gate.wait()
+    return web.json_response({"id": "x", "object": "text_completion", "choices": []})
+
+
+async def start_replica(
+    aiohttp_server: ServerFactory, models: list[str]
+) -> tuple[str, ModelReplica]:
+    app = web.Application()
+    app[REPLICA] = state = ModelReplica(list(models))
+    app.router.add_get("/v1/models", _list)
+    app.router.add_get("/health", _health)
+    app.router.add_post(COMPLETIONS, _complete)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/"), state
+
+
+def pooled_config(urls: list[str], models: list[list[str] | None], **sections: Any) -> Config:
+    """Replicas r0, r1, ... of one seat each with the given ``models`` (None: discovered)."""
+    doc: dict[str, Any] = {
+        "replicas": [
+            {"name": f"r{i}", "url": url, "max_concurrency": 1, "models": m}
+            for i, (url, m) in enumerate(zip(urls, models, strict=True))
+        ],
+        "tenants": {"a": {"api_keys": [KEY_A]}, "b": {"api_keys": [KEY_B]}},
+    }
+    doc.update(sections)
+    return parse_config(yaml.safe_dump(doc))
+
+
+TENANTS = {
+    "a": {"api_keys": [KEY_A]},
+    "b": {"api_keys": [KEY_B], "allowed_models": ["qwen"]},
+}
+
+
+async def two_pools(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> tuple[ProxyUnderTest, ModelReplica, ModelReplica]:
+    """r0 serves llama (alias mini), r1 serves qwen, both listed statically."""
+    url0, llama = await start_replica(aiohttp_server, ["llama"])
+    url1, qwen = await start_replica(aiohttp_server, ["qwen"])
+    config = pooled_config(
+        [url0, url1], [["llama"], ["qwen"]], tenants=TENANTS, model_aliases={"mini": "llama"}
+    )
+    proxy = await start_proxy(config)
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    return proxy, llama, qwen
+
+
+async def test_model_refusals_carry_the_error_and_take_no_seat(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Unknown model 404, a model outside allowed_models 403, no model with two
+    pools 400: each with the error body and reason header, nothing upstream."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    cases = [
+        (AUTH_A, {"model": "gpt-9", "prompt": "x"}, 404, "model_not_found"),
+        (AUTH_B, {"model": "llama", "prompt": "x"}, 403, "model_not_allowed"),
+        (AUTH_B, {"model": "mini", "prompt": "x"}, 403, "model_not_allowed"),
+        (AUTH_A, {"prompt": "x"}, 400, "bad_request"),
+        (AUTH_A, {"model": 7, "prompt": "x"}, 400, "bad_request"),
+    ]
+    for headers, body, status, reason in cases:
+        resp = await proxy.client.post(
+            COMPLETIONS, json=body, headers={**headers, "X-Request-Id": "req-1"}
+        )
+        assert resp.status == status, body
+        assert resp.headers["X-Admission-Reason"] == reason
+        assert resp.headers["X-Request-Id"] == "req-1"
+        error = (await resp.json())["error"]
+        assert error["code"] == reason and error["type"] == "admission_error"
+    assert llama.bodies == [] and qwen.bodies == []
+    proxy.assert_idle()
+
+
+async def test_each_model_reaches_its_pool_and_an_alias_its_target(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """An alias is rewritten to its target; any other body goes upstream byte for byte."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    raw = b'{"model":  "qwen",   "prompt": "x"}'
+    for _ in range(3):
+        resp = await proxy.client.post(
+            COMPLETIONS, data=raw, headers={**AUTH_B, "Content-Type": "application/json"}
+        )
+        assert resp.status == 200
+        resp = await proxy.client.post(
+            COMPLETIONS, json={"model": "mini", "prompt": "é"}, headers=AUTH_A
+        )
+        assert resp.status == 200
+        resp = await proxy.client.post(
+            COMPLETIONS, json={"model": "llama", "prompt": "x"}, headers=AUTH_A
+        )
+        assert resp.status == 200
+    assert qwen.bodies == [raw] * 3
+    assert llama.named() == ["llama"] * 6
+    assert json.loads(llama.bodies[0])["prompt"] == "é"
+    proxy.assert_idle()
+
+
+async def test_models_listing_is_the_union_filtered_per_tenant(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """GET /v1/models is answered by the proxy in OpenAI's list format: served
+    models plus aliases, only what the tenant may use; a static replica is never asked."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    resp = await proxy.client.get("/v1/models", headers=AUTH_A)
+    assert resp.status == 200 and resp.headers["X-Request-Id"]
+    listing = await resp.json()
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == ["llama", "mini", "qwen"]
+    assert all(m["object"] == "model" for m in listing["data"])
+    resp = await proxy.client.get("/v1/models", headers=AUTH_B)
+    assert [m["id"] for m in (await resp.json())["data"]] == ["qwen"]
+    resp = await proxy.client.get("/v1/models")
+    assert resp.status == 401
+    assert llama.listed == 0 and qwen.listed == 0
+    # A replica that stops serving (here: removed from the pool) leaves the listing.
+    proxy.runtime.pool.retire("r1")
+    resp = await proxy.client.get("/v1/models", headers=AUTH_A)
+    assert [m["id"] for m in (await resp.json())["data"]] == ["llama", "mini"]
+    proxy.assert_idle()
+
+
+async def test_one_discovered_model_routes_as_without_pools(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """No static lists, aliases or allowed_models and one discovered model: any
+    model name goes unchanged to the replica, and /v1/models is the replica's own."""
+    url, replica = await start_replica(aiohttp_server, ["m"])
+    proxy = await start_proxy(make_config([url], seats=1))
+    await wait_for(lambda: replica.listed > 0)
+    assert proxy.runtime.models.served_models() == {"m"}
+    assert not proxy.runtime.models.pooled
+    for body in (b'{"model": "anything", "prompt": "x"}', b'{"prompt": "x"}'):
+        resp = await proxy.client.post(
+            COMPLETIONS, data=body, headers={**AUTH_A, "Content-Type": "application/json"}
+        )
+        assert resp.status == 200
+    assert replica.bodies == [b'{"model": "anything", "prompt": "x"}', b'{"prompt": "x"}']
+    listed = replica.listed
+    resp = await proxy.client.get("/v1/models", headers=AUTH_A)
+    assert resp.status == 200 and replica.listed == listed + 1
+    proxy.assert_idle()
+
+
+async def test_discovery_moves_a_model_between_pools_without_a_reload(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Replicas with models: null are asked on every probe; an adapter that
+    appears on one replica and leaves another changes where it is served."""
+    url0, first = await start_replica(aiohttp_server, ["llama", "lora-x"])
+    url1, second = await start_replica(aiohttp_server, ["qwen"])
+    config = pooled_config([url0, url1], [None, None], health={"interval_ms": 20})
+    proxy = await start_proxy(config)
+    table = proxy.runtime.models
+    await wait_for(lambda: table.pool("qwen") == {"r1"} and table.pool("lora-x") == {"r0"})
+    resp = await proxy.client.post(
+        COMPLETIONS, json={"model": "lora-x", "prompt": "x"}, headers=AUTH_A
+    )
+    assert resp.status == 200 and first.named() == ["lora-x"]
+    first.models, second.models = ["llama"], ["qwen", "lora-x"]
+    await wait_for(lambda: table.pool("lora-x") == {"r1"})
+    resp = await proxy.client.post(
+        COMPLETIONS, json={"model": "lora-x", "prompt": "x"}, headers=AUTH_A
+    )
+    assert resp.status == 200 and second.named() == ["lora-x"]
+    second.models = ["qwen"]
+    await wait_for(lambda: not table.pool("lora-x"))
+    resp = await proxy.client.post(
+        COMPLETIONS, json={"model": "lora-x", "prompt": "x"}, headers=AUTH_A
+    )
+    assert resp.status == 404 and resp.headers["X-Admission-Reason"] == "model_not_found"
+    proxy.assert_idle()
+
+
+async def test_a_static_replica_is_never_asked_its_models(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    url0, static = await start_replica(aiohttp_server, ["llama"])
+    url1, discovered = await start_replica(aiohttp_server, ["qwen"])
+    config = pooled_config([url0, url1], [["llama"], None], health={"interval_ms": 20})
+    proxy = await start_proxy(config)
+    await wait_for(lambda: discovered.listed >= 3)
+    assert static.listed == 0
+    assert proxy.runtime.models.pool("qwen") == {"r1"}
+
+
+async def test_an_idle_pool_does_not_wait_behind_another_pools_queue(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """llama's one seat is held and two more llama requests queue; a qwen request
+    is served at once, and no llama request ever reaches the qwen replica."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    llama.gate.clear()
+    body = {"model": "llama", "prompt": "x"}
+    held = [
+        asyncio.create_task(proxy.client.post(COMPLETIONS, json=body, headers=AUTH_A))
+        for _ in range(3)
+    ]
+    dispatcher = proxy.runtime.dispatcher
+    await wait_for(lambda: len(dispatcher.scheduler) == 2 and len(llama.bodies) == 1)
+    resp = await proxy.client.post(
+        COMPLETIONS, json={"model": "qwen", "prompt": "y"}, headers=AUTH_A
+    )
+    assert resp.status == 200
+    assert len(dispatcher.scheduler) == 2
+    llama.gate.set()
+    for task in held:
+        assert (await task).status == 200
+    assert llama.named() == ["llama"] * 3 and qwen.named() == ["qwen"]
+    proxy.assert_idle()
+
+
+BUDGETS = BudgetsConfig(queue_ms=1000, first_byte_ms=1000, total_ms=5000)
+
+
+def two_pool_dispatcher(clock: FakeClock) -> Dispatcher:
+    """r0 serves model a, r1 model b, one seat each."""
+    replicas = [
+        Replica(ReplicaConfig(name=n, url="http://127.0.0.1:1", max_concurrency=1))
+        for n in ("r0", "r1")
+    ]
+    dispatcher = Dispatcher(
+        ReplicaPool(replicas),
+        FairScheduler({"standard": 1.0}),
+        clock,
+        {"t": TenantLimits(max_concurrency=None, queue_capacity=64)},
+    )
+    dispatcher.models = ModelTable({"r0": ("a",), "r1": ("b",)}, {})
+    return dispatcher
+
+
+async def test_dispatcher_grants_only_seats_of_the_tickets_pool() -> None:
+    """Fake clock: pool A (r0) flooded; pool B's ticket is granted at once on r1;
+    A's backlog drains only onto r0, in order, as its seats come back."""
+    clock = FakeClock()
+    dispatcher = two_pool_dispatcher(clock)
+    deadline = Deadline.start(clock.now(), BUDGETS)
+    first = dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline)
+    backlog = [dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline) for _ in range(3)]
+    assert first.seat is not None and first.seat.replica.name == "r0"
+    assert all(t.seat is None for t in backlog)
+    other = dispatcher.enqueue_in("b", "t", "standard", 1.0, deadline)
+    assert other.seat is not None and other.seat.replica.name == "r1"
+    assert all(t.seat is None for t in backlog)  # r1 is b's, not a's
+    dispatcher.finish(other, other.seat)
+    assert all(t.seat is None for t in backlog)
+    dispatcher.finish(first, first.seat)
+    assert backlog[0].seat is not None and backlog[0].seat.replica.name == "r0"
+    assert backlog[1].seat is None
+    for ticket in backlog:
+        seat = await dispatcher.wait(ticket)
+        assert seat.replica.name == "r0"
+        dispatcher.finish(ticket, seat)
+    assert dispatcher.pool.total_inflight() == 0 and len(dispatcher.scheduler) == 0
+
+
+async def test_predicted_waits_are_the_pools() -> None:
+    """Fake clock, seat time 1 s: with pool a's seat held and six a tickets
+    queued, a new a ticket expects about seven releases; a new b ticket, behind
+    only b's one busy seat, about one, whatever a's backlog."""
+    clock = FakeClock()
+    dispatcher = two_pool_dispatcher(clock)
+    budgets = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
+    for _ in range(15):
+        for model in ("a", "b"):
+            ticket = dispatcher.enqueue_in(
+                model, "t", "standard", 1.0, Deadline.start(clock.now(), budgets)
+            )
+            clock.advance(1.0)
+            dispatcher.finish(ticket, ticket.seat)
+    deadline = Deadline.start(clock.now(), budgets)
+    held = [dispatcher.enqueue_in("b", "t", "standard", 1.0, deadline)]
+    held += [dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline) for _ in range(7)]
+    assert len(dispatcher.scheduler) == 6
+    now = clock.now()
+    wait_b = dispatcher.predict_wait("t", "standard", now, "b")
+    wait_a = dispatcher.predict_wait("t", "standard", now, "a")
+    assert wait_b is not None and wait_a is not None
+    assert wait_b == pytest.approx(1.0)
+    assert wait_a == pytest.approx(7.0)
+    assert dispatcher.waits.retry_after_queue_timeout("t", "standard", now, "b") == wait_b
+    dispatcher.close()
+    for ticket in held:
+        if ticket.seat is not None:
+            dispatcher.finish(ticket, ticket.seat)
+
+
+def affinity_dispatcher(clock: FakeClock, replicas: int = 4, seats: int = 4) -> Dispatcher:
+    pool = ReplicaPool(
+        [
+            Replica(ReplicaConfig(name=f"r{i}", url="http://127.0.0.1:1", max_concurrency=seats))
+            for i in range(replicas)
+        ],
+        rng=random.Random(3),
+    )
+    limits = {"t": TenantLimits(max_concurrency=None, queue_capacity=64)}
+    return Dispatcher(pool, FairScheduler({"standard": 1.0}), clock, limits)
+
+
+def start(dispatcher: Dispatcher, clock: FakeClock, key: int | None) -> Ticket:
+    deadline = Deadline.start(clock.now(), BUDGETS)
+    return dispatcher.enqueue_in(None, "t", "standard", 1.0, deadline, affinity=key)
+
+
+def replica_of(ticket: Ticket) -> str:
+    assert ticket.seat is not None
+    return ticket.seat.replica.name
+
+
+async def test_prefix_affinity_sends_a_key_to_the_same_replica() -> None:
+    """The same key lands on the same replica turn after turn; keys spread."""
+    clock = FakeClock()
+    dispatcher = affinity_dispatcher(clock)
+    homes: dict[int, set[str]] = {}
+    for _ in range(5):
+        for key in range(40):
+            ticket = start(dispatcher, clock, key * 0x9E3779B97F4A7C15 % 2**64)
+            homes.setdefault(key, set()).add(replica_of(ticket))
+            dispatcher.finish(ticket, ticket.seat)
+    assert all(len(home) == 1 for home in homes.values())
+    assert len(set().union(*homes.values())) == 4
+
+
+async def test_a_hot_key_spills_within_the_load_bound() -> None:
+    """Twelve concurrent requests of one key over four replicas: the preferred
+    one takes what the bound allows, the rest spill; none exceeds the bound."""
+    clock = FakeClock()
+    dispatcher = affinity_dispatcher(clock)
+    tickets = [start(dispatcher, clock, 12345) for _ in range(12)]
+    loads = [r.inflight for r in dispatcher.pool.replicas]
+    ring = list(HashRing(r.name for r in dispatcher.pool.replicas).walk(AffinityKey(12345)))
+    # The bound, ceil(1.25 * (in flight + 1) / 4), is 1 for the first three: the
+    # second and third spill clockwise; at 2 the fourth goes home, the fifth spills.
+    assert [replica_of(t) for t in tickets[:5]] == [ring[0], ring[1], ring[2], ring[0], ring[1]]
+    assert sum(loads) == 12
+    assert max(loads) <= math.ceil(1.25 * 12 / 4)
+    for ticket in tickets:
+        dispatcher.finish(ticket, ticket.seat)
+
+
+async def test_an_unusable_preferred_replica_falls_back() -> None:
+    """The key's replica drained: the next on the ring takes the key; with every
+    replica full but one, the key goes to the one with a free seat."""
+    clock = FakeClock()
+    dispatcher = affinity_dispatcher(clock, replicas=3, seats=1)
+    ring = list(HashRing(r.name for r in dispatcher.pool.replicas).walk(AffinityKey(777)))
+    first = start(dispatcher, clock, 777)
+    preferred = replica_of(first)
+    assert preferred == ring[0]
+    dispatcher.finish(first, first.seat)
+    dispatcher.pool.retire(preferred)
+    second = start(dispatcher, clock, 777)
+    assert replica_of(second) == ring[1]
+    third = start(dispatcher, clock, 777)
+    assert {replica_of(second), replica_of(third)} == {r.name for r in dispatcher.pool.replicas}
+    dispatcher.finish(second, second.seat)
+    dispatcher.finish(third, third.seat)
+
+
+async def test_prefix_affinity_end_to_end_by_header(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """routing.policy prefix_affinity: one X-Session-Id always reaches one replica."""
+    servers = [await start_replica(aiohttp_server, ["m"]) for _ in range(3)]
+    config = make_config(
+        [url for url, _ in servers], seats=4, routing={"policy": "prefix_affinity"}
+    )
+    proxy = await start_proxy(config)
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    for session in ("alpha", "beta", "gamma", "delta"):
+        before = [len(state.bodies) for _, state in servers]
+        for turn in range(4):
+            resp = await proxy.client.post(
+                COMPLETIONS,
+                json={"model": "m", "prompt": f"turn {turn}"},
+                headers={**AUTH_A, "X-Session-Id": session},
+            )
+            assert resp.status == 200
+        grew = [len(state.bodies) - b for (_, state), b in zip(servers, before, strict=True)]
+        assert sorted(grew) == [0, 0, 4], session
+    proxy.assert_idle()
