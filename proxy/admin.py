@@ -74,7 +74,12 @@ def state_snapshot(runtime: Runtime) -> StateSnapshot:
     for name, value in runtime.dispatcher.headroom_grants_by_tenant().items():
         label = labels(name)
         headroom[label] = headroom.get(label, 0) + value
-    return StateSnapshot(depth, high, replicas, gpus, headroom)
+    model_labels = runtime.telemetry.model_labels
+    by_model: dict[str, int] = {}
+    for model, value in runtime.dispatcher.scheduler.depth_by_model().items():
+        label = model_labels(model)
+        by_model[label] = by_model.get(label, 0) + value
+    return StateSnapshot(depth, high, replicas, gpus, headroom, by_model)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -214,6 +219,8 @@ def _gpu_state(runtime: Runtime, index: int | None) -> dict[str, float] | None:
 
 def admin_state(runtime: Runtime) -> dict[str, object]:
     dispatcher = runtime.dispatcher
+    table = runtime.models
+    pooled = table.pooled
     tenants = {
         name: {
             "queued": dispatcher.scheduler.depth(name),
@@ -242,13 +249,25 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
             "probe_error": r.probe_error,
             "engine": _engine_state(runtime, r.name),
             "gpu": _gpu_state(runtime, r.config.gpu_index),
+            "models": sorted(table.models_of(r.name)),
+            "pool": ", ".join(sorted(table.models_of(r.name))) if pooled else None,
         }
         for r in runtime.pool.replicas
+    }
+    # Model pools (empty while the proxy does not route by model).
+    pools = {
+        model: {
+            "replicas": sorted(table.pool(model)),
+            "queued": dispatcher.scheduler.depth_of_model(model),
+        }
+        for model in sorted(table.served_models())
+        if pooled
     }
     budget = runtime.retry_budget
     return {
         "tenants": tenants,
         "replicas": replicas,
+        "pools": pools,
         "retry_budget": {"allowance": budget.allowance(), "summary": repr(budget)},
         "headroom_grants": dispatcher.headroom_grants,
         "shutting_down": runtime.shutting_down,

@@ -107,6 +107,7 @@ def build_runtime(
         access_log=_access_log(access_log),
         tracing=Tracing(tracer_provider),
     )
+    telemetry.model_labels.max_labels = config.telemetry.max_tenant_labels
     models = ModelTable({}, {})
     configure_models(models, config)
     dispatcher.models = models

@@ -75,6 +75,8 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_RUN = re.compile(rb"[\[{]+|[\]}]+")
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
+#: A refused ``model`` is logged, cut to the longest name a config may hold.
+MAX_MODEL_NAME_LOGGED = 256
 READ_CHUNK = 64 * 1024
 
 
@@ -207,7 +209,7 @@ async def _admit(
     seatless = method in ("GET", "HEAD") or route in SEATLESS_PATHS
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
-    model, pool, body = _choose_pool(doc, body, tenant_config.allowed_models, runtime)
+    model, pool, body = _choose_pool(doc, body, tenant_config.allowed_models, runtime, record)
     listing = route == "/v1/models" and method == "GET" and runtime.models.pooled
     routing = config.routing
     affinity = None
@@ -236,7 +238,11 @@ async def _admit(
 
 
 def _choose_pool(
-    doc: dict[str, Any] | None, body: bytes, allowed: tuple[str, ...] | None, runtime: Runtime
+    doc: dict[str, Any] | None,
+    body: bytes,
+    allowed: tuple[str, ...] | None,
+    runtime: Runtime,
+    record: RequestRecord,
 ) -> tuple[str | None, frozenset[str] | None, bytes]:
     """The served model, its replicas and the body to send; or the model refusal.
 
@@ -252,7 +258,11 @@ def _choose_pool(
     asked = doc.get("model")
     choice = table.select(asked, allowed=allowed)
     if isinstance(choice, ModelRefusal):
+        if isinstance(asked, str):
+            record.model = table.resolve(asked)[:MAX_MODEL_NAME_LOGGED]
+            record.model_served = choice.reason == "model_not_allowed"
         raise choice.error()
+    record.model, record.model_served = choice.model, True
     if isinstance(asked, str) and asked != choice.model:
         body = json.dumps({**doc, "model": choice.model}, ensure_ascii=False).encode()
     return choice.model, choice.replicas, body

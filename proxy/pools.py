@@ -52,6 +52,10 @@ class PoolQueues:
             models.append(None)
         return models
 
+    def depth_by_model(self) -> dict[str, int]:
+        """Tickets waiting now in each model's pool (pools seen so far, empty ones too)."""
+        return {model: len(queue) for model, queue in self._by_model.items()}
+
     def depth_of_model(self, model: str | None) -> int:
         queue = self.default if model is None else self._by_model.get(model)
         return len(queue) if queue is not None else 0

@@ -37,6 +37,11 @@ class RequestRecord:
     ended_at: float | None = None
     attempts: int = 0
     replica: str | None = None
+    #: Model pools: the served model the request went to, or the name a refusal
+    #: named (at most 256 characters); ``None`` when not routed by model.
+    model: str | None = None
+    #: ``model`` is a served model (its metric label); else the label is ``unknown``.
+    model_served: bool = False
     upstream_status: int | None = None
     status: int = 0
     #: The status the client was sent before ``cancel`` logged 499 (shutdown may undo it).

@@ -151,6 +151,7 @@ class Runtime:
         self.telemetry.labels.reconfigure(
             rules.config.tenants, rules.config.telemetry.max_tenant_labels
         )
+        self.telemetry.model_labels.max_labels = rules.config.telemetry.max_tenant_labels
         self.gpu.set_interval(rules.config.gpu.sample_ms / 1000.0)
         retry = rules.config.retry
         self._set("retry_policy", RetryPolicy(retry))

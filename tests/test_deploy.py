@@ -63,6 +63,8 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "admission_gpu_utilization_ratio": ("gauge", frozenset({"gpu"})),
     "admission_gpu_memory_used_ratio": ("gauge", frozenset({"gpu"})),
     "admission_config_reloads_total": ("counter", frozenset({"result"})),
+    "admission_model_requests_total": ("counter", frozenset({"model", "outcome"})),
+    "admission_model_queue_depth": ("gauge", frozenset({"model"})),
 }
 #: Labels Prometheus adds to every scraped series, and the histogram bucket label.
 TARGET_LABELS = frozenset({"instance", "job"})

@@ -8,6 +8,7 @@ and the dispatcher's per-pool queues on a fake clock.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 import random
@@ -19,6 +20,9 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy.admitted import Deadline
 from proxy.affinity import AffinityKey, HashRing
@@ -455,4 +459,55 @@ async def test_prefix_affinity_end_to_end_by_header(
             assert resp.status == 200
         grew = [len(state.bodies) - b for (_, state), b in zip(servers, before, strict=True)]
         assert sorted(grew) == [0, 0, 4], session
+    proxy.assert_idle()
+
+
+async def test_model_metrics_state_log_and_span(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Per-model request counter and queue depth, pools in /admin/state, the
+    access log's model and the span's gen_ai.request.model."""
+    url0, llama = await start_replica(aiohttp_server, ["llama"])
+    url1, _ = await start_replica(aiohttp_server, ["qwen"])
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    log = io.StringIO()
+    config = pooled_config([url0, url1], [["llama"], ["qwen"]], model_aliases={"mini": "llama"})
+    proxy = await start_proxy(config, tracer_provider=provider, access_log=log)
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    llama.gate.clear()
+    held = [
+        asyncio.create_task(
+            proxy.client.post(COMPLETIONS, json={"model": "mini", "prompt": "x"}, headers=AUTH_A)
+        )
+        for _ in range(3)
+    ]
+    await wait_for(lambda: len(proxy.runtime.dispatcher.scheduler) == 2)
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert 'admission_model_queue_depth{model="llama"} 2.0' in metrics
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["pools"]["llama"] == {"replicas": ["r0"], "queued": 2}
+    assert state["pools"]["qwen"]["replicas"] == ["r1"]
+    assert state["replicas"]["r0"]["models"] == ["llama"]
+    assert state["replicas"]["r1"]["pool"] == "qwen"
+    assert "inflight" in state["replicas"]["r0"] and "queued" in state["tenants"]["a"]
+    llama.gate.set()
+    for task in held:
+        assert (await task).status == 200
+    resp = await proxy.client.post(COMPLETIONS, json={"model": "gpt-9"}, headers=AUTH_A)
+    assert resp.status == 404
+    await wait_for(lambda: not proxy.runtime.active)
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert 'admission_model_requests_total{model="llama",outcome="completed"} 3.0' in metrics
+    assert 'admission_model_requests_total{model="unknown",outcome="rejected"} 1.0' in metrics
+    lines = [json.loads(line) for line in log.getvalue().splitlines() if '"request"' in line]
+    assert [line["model"] for line in lines if line["path"] == COMPLETIONS] == [
+        "llama", "llama", "llama", "gpt-9"
+    ]  # fmt: skip
+    roots = [s for s in exporter.get_finished_spans() if s.name == "proxy.request"]
+    assert len(roots) == 4
+    assert sorted(str((s.attributes or {})["gen_ai.request.model"]) for s in roots) == [
+        "gpt-9", "llama", "llama", "llama"
+    ]  # fmt: skip
     proxy.assert_idle()

@@ -18,8 +18,15 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.record import RequestRecord
+from proxy.settings import DEFAULT_MAX_TENANT_LABELS
 from proxy.telemetry.logs import AccessLog
-from proxy.telemetry.metrics import CounterFamily, HistogramFamily, Metrics, TenantLabels
+from proxy.telemetry.metrics import (
+    CounterFamily,
+    HistogramFamily,
+    Metrics,
+    ModelLabels,
+    TenantLabels,
+)
 from proxy.telemetry.tracing import Tracing
 
 
@@ -52,6 +59,7 @@ class Telemetry:
         "access_log",
         "labels",
         "metrics",
+        "model_labels",
         "tracing",
     )
 
@@ -73,6 +81,8 @@ class Telemetry:
         self.tracing = tracing or Tracing(None)
         self.metrics = metrics
         self.labels = labels
+        #: Capped like tenant labels (``telemetry.max_tenant_labels``, set by the app).
+        self.model_labels = ModelLabels(DEFAULT_MAX_TENANT_LABELS)
         self.access_log = access_log
         self._requests = metrics.requests
         self._timeouts = _Children(metrics.timeouts)
@@ -112,6 +122,9 @@ class Telemetry:
                 self._tokens.labels(tenant, "output").inc(record.output_tokens)
             if record.good:
                 self._goodput.labels(tenant).inc()
+            if record.model is not None:
+                model = self.model_labels(record.model) if record.model_served else "unknown"
+                self.metrics.model_requests.labels(model, outcome).inc()
         trace_id = None
         if record.trace is not None:
             self.tracing.request_ended(record.trace, record, record.gpu)

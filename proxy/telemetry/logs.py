@@ -94,6 +94,7 @@ def access_fields(record: RequestRecord, trace_id: str | None) -> dict[str, Any]
         "total_ms": record.total_ms,
         "attempts": record.attempts,
         "replica": record.replica,
+        "model": record.model,
         "input_tokens": record.input_tokens,
         "output_tokens": record.output_tokens,
     }
@@ -156,6 +157,7 @@ class AccessLog:
             f'"queue_ms": {_number(r.queue_ms)}, "ttft_ms": {_number(r.ttft_ms)}, '
             f'"upstream_ms": {_number(r.upstream_ms)}, "total_ms": {_number(r.total_ms)}, '
             f'"attempts": {r.attempts!r}, "replica": {_text(r.replica)}, '
+            f'"model": {_text(r.model)}, '
             f'"input_tokens": {_number(r.input_tokens)}, '
             f'"output_tokens": {_number(r.output_tokens)}}}\n'
         )

@@ -209,6 +209,26 @@ class TenantLabels:
         self._named = frozenset(ordered[:max_labels]) | (named - set(configured))
 
 
+class ModelLabels:
+    """Model names as metric labels: the first ``max_labels`` distinct ones keep
+    their name, later ones share ``other`` (models come and go with discovery,
+    so the set is first come, not configured)."""
+
+    __slots__ = ("_named", "max_labels")
+
+    def __init__(self, max_labels: int) -> None:
+        self.max_labels = max_labels
+        self._named: set[str] = set()
+
+    def __call__(self, model: str) -> str:
+        if model in self._named:
+            return model
+        if len(self._named) < self.max_labels:
+            self._named.add(model)
+            return model
+        return OTHER_TENANTS
+
+
 @dataclass(frozen=True, slots=True)
 class StateSnapshot:
     """What the state collector reads at scrape time."""
@@ -219,6 +239,8 @@ class StateSnapshot:
     gpus: Sequence[tuple[str, float, float]]  # gpu, utilization ratio, memory used ratio
     #: Requests started on a headroom seat, per tenant label, since start.
     headroom: dict[str, int] = field(default_factory=dict)
+    #: Tickets waiting now per model pool label (model pools only).
+    model_queue_depth: dict[str, int] = field(default_factory=dict)
 
 
 class StateCollector(Collector):
@@ -261,6 +283,12 @@ class StateCollector(Collector):
         for tenant, value in sorted(snap.headroom.items()):
             headroom.add_metric([tenant], value)
         yield headroom
+        pools = GaugeMetricFamily(
+            "admission_model_queue_depth", "Tickets waiting now per model pool", labels=["model"]
+        )
+        for model, value in sorted(snap.model_queue_depth.items()):
+            pools.add_metric([model], value)
+        yield pools
         util = GaugeMetricFamily(
             "admission_gpu_utilization_ratio", "GPU utilization (0..1)", labels=["gpu"]
         )
@@ -311,6 +339,12 @@ class Metrics:
         )
         self.goodput = CounterFamily(
             "admission_goodput", "2xx answers that met their TTFT and total budgets", ["tenant"], r
+        )
+        self.model_requests = CounterFamily(
+            "admission_model_requests",
+            "Requests routed by model, by final outcome",
+            ["model", "outcome"],
+            r,
         )
         self.tokens = CounterFamily(
             "admission_tokens", "Tokens by direction", ["tenant", "direction"], r

@@ -201,6 +201,8 @@ class Tracing:
         span.set_attribute("admission.outcome", record.outcome or "failed")
         span.set_attribute("admission.reason", record.reason)
         span.set_attribute("admission.request_id", record.request_id)
+        if record.model is not None:
+            span.set_attribute("gen_ai.request.model", record.model)
         span.set_attribute("http.response.status_code", record.status)
         if record.outcome not in ("completed", "cancelled"):
             span.set_status(Status(StatusCode.ERROR, record.reason))
