@@ -110,8 +110,8 @@ def build_runtime(
     telemetry.model_labels.max_labels = config.telemetry.max_tenant_labels
     models = ModelTable({}, {})
     configure_models(models, config)
-    dispatcher.models = models
-    dispatcher.affinity.max_load_factor = config.routing.max_load_factor
+    dispatcher.seats.models = models
+    dispatcher.seats.affinity.max_load_factor = config.routing.max_load_factor
     health = Health(pool, config, clock, dispatcher.pump, models=models)
     rng = random.Random(seed)
     retry_policy = RetryPolicy(config.retry, rng)

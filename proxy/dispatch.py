@@ -30,12 +30,10 @@ from dataclasses import dataclass
 from proxy import admission
 from proxy.admission import TenantLimits
 from proxy.admitted import Deadline
-from proxy.affinity import AffinityKey
 from proxy.clock import Clock
 from proxy.errors import ProxyError, ShuttingDown
 from proxy.estimators import RecentUsage
-from proxy.models import ModelTable
-from proxy.pools import AffinityRouter, PoolQueues
+from proxy.pools import PoolQueues, PoolSeats
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler, Ticket
 from proxy.waits import Flow, Waits
@@ -77,16 +75,14 @@ class Dispatcher:
         self.pool = pool
         #: One queue per model pool (``pools.py``); read as a whole, it is one scheduler.
         self.scheduler = PoolQueues(scheduler)
-        #: Which replicas serve a model now (set by ``app.py``); ``None``: one pool.
-        self.models: ModelTable | None = None
-        #: ``prefix_affinity`` replica choice (its bound set from ``routing``).
-        self.affinity = AffinityRouter()
+        #: The replicas each model pool may use (``pools.py``).
+        self.seats = PoolSeats(pool)
         self._clock = clock
         self._limits = dict(limits)
         self._inflight: dict[str, int] = {}
         self._predictive_rejection = predictive_rejection
         self.waits = Waits(
-            pool, self.scheduler, self._flow, queue_of=self.scheduler.of, members=self.members
+            pool, self.scheduler, self._flow, queue_of=self.scheduler.of, members=self.seats.members
         )
         self._usage = RecentUsage()
         self._grants = 0
@@ -242,11 +238,7 @@ class Dispatcher:
         ``TimeoutError`` when no seat frees in time.
         """
         loop = asyncio.get_running_loop()
-        members = self.members(model)
-        strict = any(
-            r.dispatchable and r.name not in exclude and (members is None or r.name in members)
-            for r in self.pool.replicas
-        )
+        strict = self.seats.other_dispatchable(model, exclude)
         waiter = _Reseat(loop.create_future(), exclude, strict, model)
         self._reseating.append(waiter)
         relax = None
@@ -351,9 +343,8 @@ class Dispatcher:
             if waiter.future.done():
                 self._reseating.remove(waiter)
                 continue
-            replica = self.pool.choose(
-                waiter.exclude, strict=waiter.strict, among=self.members(waiter.model)
-            )
+            members = self.seats.members(waiter.model)
+            replica = self.pool.choose(waiter.exclude, strict=waiter.strict, among=members)
             if replica is None:
                 continue
             self._reseating.remove(waiter)
@@ -366,7 +357,7 @@ class Dispatcher:
     def _pump_one(self, model: str | None) -> bool:
         """Grant (or fail, if expired) the next ticket of one pool; False: nothing to do."""
         while True:
-            if self.pool.choose(among=self.members(model)) is None:
+            if self.seats.free(model) is None:
                 return False
             ticket = self.scheduler.pop_from(model)
             if ticket is None:
@@ -378,27 +369,10 @@ class Dispatcher:
             if ticket.expires_at <= now:
                 self._fail(ticket, self._expiry(ticket, now))
                 continue
-            replica = self._choose(model, ticket.affinity)
+            replica = self.seats.choose(model, ticket.affinity)
             assert replica is not None  # a seat of the pool was free above
             self._grant(ticket, self.pool.lease(replica), now)
             return True
-
-    def _choose(self, model: str | None, affinity: int | None) -> Replica | None:
-        """The replica for a ticket of ``model``'s pool: by its affinity key on the
-        ring when it has one and a replica fits the bound, else the least loaded."""
-        members = self.members(model)
-        if affinity is not None:
-            key = AffinityKey(affinity)
-            replica = self.affinity.choose(self.pool.replicas, members, key)
-            if replica is not None:
-                return replica
-        return self.pool.choose(among=members)
-
-    def members(self, model: str | None) -> frozenset[str] | None:
-        """The replicas of ``model``'s pool now; ``None``: every replica."""
-        if model is None or self.models is None:
-            return None
-        return self.models.pool(model)
 
     def _grant(self, ticket: Ticket, seat: Seat, now: float) -> None:
         if ticket.timer is not None:
@@ -429,7 +403,7 @@ class Dispatcher:
         under its cap."""
         if self.scheduler.depth_of_model(model) or self._reseating or self._at_cap(tenant):
             return None
-        return self._choose(model, affinity)
+        return self.seats.choose(model, affinity)
 
     def _headroom_for(
         self, tenant: str, priority: str, now: float, model: str | None
@@ -446,7 +420,7 @@ class Dispatcher:
             or not self.below_fair_share(tenant, priority, now, model)
         ):
             return None
-        return self.pool.choose(headroom=True, among=self.members(model))
+        return self.seats.free(model, headroom=True)
 
     # -- refusals after the wait -------------------------------------------------------
 
@@ -459,8 +433,7 @@ class Dispatcher:
         return admission.expiry(
             tenant,
             now - ticket.enqueued_at,
-            held_by_cap=self._at_cap(tenant)
-            and self.pool.choose(among=self.members(model)) is not None,
+            held_by_cap=self._at_cap(tenant) and self.seats.free(model) is not None,
             free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now, model),
             wait_s=lambda: self.waits.retry_after_queue_timeout(tenant, priority, now, model),
         )

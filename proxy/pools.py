@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from proxy.affinity import AffinityKey, HashRing
-from proxy.replicas import Replica
+from proxy.models import ModelTable
+from proxy.replicas import Replica, ReplicaPool
 from proxy.scheduler import Scheduler, Ticket
 
 
@@ -161,3 +162,46 @@ class AffinityRouter:
             max_load_factor=self.max_load_factor,
         )
         return None if chosen is None else by_name[chosen]
+
+
+class PoolSeats:
+    """Where a ticket of a model pool may sit: the pool's replicas, chosen least
+    loaded or, with a ``prefix_affinity`` key, on the pool's ring."""
+
+    __slots__ = ("affinity", "models", "pool")
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.pool = pool
+        #: Which replicas serve a model now (set by ``app.py``); ``None``: one pool.
+        self.models: ModelTable | None = None
+        #: ``prefix_affinity`` replica choice (its bound set from ``routing``).
+        self.affinity = AffinityRouter()
+
+    def members(self, model: str | None) -> frozenset[str] | None:
+        """The replicas of ``model``'s pool now (read at each pass: discovery moves
+        them at once); ``None``: every replica."""
+        if model is None or self.models is None:
+            return None
+        return self.models.pool(model)
+
+    def free(self, model: str | None, *, headroom: bool = False) -> Replica | None:
+        """The least-loaded replica of the pool with a free (or headroom) seat."""
+        return self.pool.choose(headroom=headroom, among=self.members(model))
+
+    def choose(self, model: str | None, affinity: int | None) -> Replica | None:
+        """The replica for a ticket: by its affinity key on the ring when it has one
+        and a replica fits the bound, else the least loaded."""
+        members = self.members(model)
+        if affinity is not None:
+            replica = self.affinity.choose(self.pool.replicas, members, AffinityKey(affinity))
+            if replica is not None:
+                return replica
+        return self.pool.choose(among=members)
+
+    def other_dispatchable(self, model: str | None, exclude: frozenset[str]) -> bool:
+        """Some replica of the pool outside ``exclude`` may take work (a retry waits for it)."""
+        members = self.members(model)
+        return any(
+            r.dispatchable and r.name not in exclude and (members is None or r.name in members)
+            for r in self.pool.replicas
+        )

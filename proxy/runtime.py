@@ -146,7 +146,7 @@ class Runtime:
         scheduler.set_tenant_weights({n: t.weight for n, t in rules.config.tenants.items()})
         self.quotas.configure(rules.rate_limits())
         configure_models(self.models, rules.config)
-        self.dispatcher.affinity.max_load_factor = rules.config.routing.max_load_factor
+        self.dispatcher.seats.affinity.max_load_factor = rules.config.routing.max_load_factor
         self.health.set_config(rules.config)
         self.telemetry.labels.reconfigure(
             rules.config.tenants, rules.config.telemetry.max_tenant_labels

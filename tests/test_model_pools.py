@@ -306,7 +306,7 @@ def two_pool_dispatcher(clock: FakeClock) -> Dispatcher:
         clock,
         {"t": TenantLimits(max_concurrency=None, queue_capacity=64)},
     )
-    dispatcher.models = ModelTable({"r0": ("a",), "r1": ("b",)}, {})
+    dispatcher.seats.models = ModelTable({"r0": ("a",), "r1": ("b",)}, {})
     return dispatcher
 
 
