@@ -264,7 +264,7 @@ def _choose_pool(
         raise choice.error()
     record.model, record.model_served = choice.model, True
     if isinstance(asked, str) and asked != choice.model:
-        body = json.dumps({**doc, "model": choice.model}, ensure_ascii=False).encode()
+        body = json.dumps({**doc, "model": choice.model}).encode()  # ASCII: lone surrogates too
     return choice.model, choice.replicas, body
 
 

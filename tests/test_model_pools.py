@@ -30,6 +30,7 @@ from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.models import ModelTable
 from proxy.replicas import Replica, ReplicaPool
+from proxy.runtime import Rules
 from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, Config, ReplicaConfig, parse_config
 from tests.conftest import ProxyUnderTest
@@ -174,6 +175,13 @@ async def test_each_model_reaches_its_pool_and_an_alias_its_target(
     assert qwen.bodies == [raw] * 3
     assert llama.named() == ["llama"] * 6
     assert json.loads(llama.bodies[0])["prompt"] == "é"
+    # A lone surrogate escape survives the rewrite (the body is re-encoded as ASCII JSON).
+    lone = b'{"model": "mini", "prompt": "\\ud800"}'
+    resp = await proxy.client.post(
+        COMPLETIONS, data=lone, headers={**AUTH_A, "Content-Type": "application/json"}
+    )
+    assert resp.status == 200
+    assert json.loads(llama.bodies[-1]) == {"model": "llama", "prompt": "\ud800"}
     proxy.assert_idle()
 
 
@@ -510,4 +518,48 @@ async def test_model_metrics_state_log_and_span(
     assert sorted(str((s.attributes or {})["gen_ai.request.model"]) for s in roots) == [
         "gpt-9", "llama", "llama", "llama"
     ]  # fmt: skip
+    proxy.assert_idle()
+
+
+async def test_headroom_is_offered_within_the_tickets_pool() -> None:
+    """Pool a (r0, one seat plus one headroom) is flooded; a light tenant below its
+    fair share gets a's headroom seat on r0, never b's free seats on r1; once that
+    is taken it queues in a's pool."""
+    clock = FakeClock()
+    replicas = [
+        Replica(ReplicaConfig(name=n, url="http://127.0.0.1:1", max_concurrency=1, headroom=1))
+        for n in ("r0", "r1")
+    ]
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=64) for t in ("flood", "light")}
+    dispatcher = Dispatcher(ReplicaPool(replicas), FairScheduler({"standard": 1.0}), clock, limits)
+    dispatcher.seats.models = ModelTable({"r0": ("a",), "r1": ("b",)}, {})
+    deadline = Deadline.start(clock.now(), BUDGETS)
+    flood = [dispatcher.enqueue_in("a", "flood", "standard", 10.0, deadline) for _ in range(4)]
+    clock.advance(0.5)
+    assert replica_of(flood[0]) == "r0" and len(dispatcher.scheduler) == 3
+    light = dispatcher.enqueue_in("a", "light", "standard", 10.0, deadline)
+    assert replica_of(light) == "r0" and dispatcher.headroom_grants == 1
+    late = dispatcher.enqueue_in("a", "light", "standard", 10.0, deadline)
+    assert late.seat is None and dispatcher.pool.get("r1").inflight == 0  # type: ignore[union-attr]
+    dispatcher.close()
+    for ticket in (flood[0], light):
+        dispatcher.finish(ticket, ticket.seat)
+
+
+async def test_a_reload_changes_aliases_without_a_restart(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """model_aliases applied by a reload: the new alias reaches its target at once."""
+    url0, llama = await start_replica(aiohttp_server, ["llama"])
+    url1, qwen = await start_replica(aiohttp_server, ["qwen"])
+    config = pooled_config([url0, url1], [["llama"], ["qwen"]])
+    proxy = await start_proxy(config)
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    body = {"model": "big", "prompt": "x"}
+    resp = await proxy.client.post(COMPLETIONS, json=body, headers=AUTH_A)
+    assert resp.status == 404
+    reloaded = pooled_config([url0, url1], [["llama"], ["qwen"]], model_aliases={"big": "qwen"})
+    proxy.runtime.apply(Rules.from_config(reloaded))
+    resp = await proxy.client.post(COMPLETIONS, json=body, headers=AUTH_A)
+    assert resp.status == 200 and qwen.named() == ["qwen"] and llama.bodies == []
     proxy.assert_idle()
