@@ -1,21 +1,29 @@
 """Model discovery against real engines: two llama-servers serving different model names.
 
-The proxy-level tests (routing by ``model``, ``GET /v1/models`` through the
-proxy) come with the request-path wiring; this shows what discovery will read
-from a real engine and that ``proxy/models.py`` turns it into the right pools.
+What discovery reads from a real engine, that ``proxy/models.py`` turns it
+into the right pools, and the proxy routing by ``model`` (aliases included)
+and answering ``GET /v1/models`` over two real servers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
+import yaml
 
 from bench.real_engine import Engine
 from proxy.models import ModelTable, PoolChoice, parse_model_list
+from proxy.settings import parse_config
+from tests.conftest import ProxyUnderTest
 from tests.engine import LlamaServer
+from tests.helpers import KEY_A, wait_for
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
 
@@ -81,3 +89,44 @@ def test_engine_answers_under_its_alias(aliased_pair: list[LlamaServer]) -> None
     with urllib.request.urlopen(request, timeout=60.0) as response:
         assert response.status == 200
         assert b'"model":"qwen2.5-7b"' in response.read().replace(b" ", b"")
+
+
+async def test_the_proxy_routes_by_model_to_real_engines(
+    aliased_pair: list[LlamaServer], start_proxy: Start
+) -> None:
+    """Through the proxy, replicas with models: null: discovery reads each server's
+    --alias, /v1/models lists both plus the alias, and each name (an alias
+    included) is answered by the one server that serves it."""
+    log = io.StringIO()
+    doc = {
+        "replicas": [
+            {"name": s.name, "url": s.url, "max_concurrency": 1, "models": None}
+            for s in aliased_pair
+        ],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+        "model_aliases": {"gpt-4o-mini": "llama-3.1-8b"},
+    }
+    proxy = await start_proxy(parse_config(yaml.safe_dump(doc)), access_log=log)
+    table = proxy.runtime.models
+    await wait_for(lambda: len(table.served_models()) == 2, timeout_s=30.0)
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    listing = await (await proxy.client.get("/v1/models", headers=auth)).json()
+    assert [m["id"] for m in listing["data"]] == ["gpt-4o-mini", "llama-3.1-8b", "qwen2.5-7b"]
+    expected = {"gpt-4o-mini": "llama-0", "llama-3.1-8b": "llama-0", "qwen2.5-7b": "llama-1"}
+    for name in expected:
+        resp = await proxy.client.post(
+            "/v1/completions",
+            json={"model": name, "prompt": "Hello", "max_tokens": 2},
+            headers={**auth, "X-Request-Id": f"via-{name}"},
+        )
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["model"] == ALIASES[expected[name]]
+    await wait_for(lambda: not proxy.runtime.active)
+    lines = [json.loads(line) for line in log.getvalue().splitlines()]
+    served = {
+        line["request_id"][4:]: line["replica"]
+        for line in lines
+        if line.get("request_id", "").startswith("via-")
+    }
+    assert served == expected
+    proxy.assert_idle()
