@@ -23,9 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from proxy import admission
 from proxy.admission import TenantLimits
@@ -35,26 +33,14 @@ from proxy.errors import ProxyError, ShuttingDown
 from proxy.estimators import RecentUsage
 from proxy.pools import PoolQueues, PoolSeats
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
+from proxy.reseats import Reseats
 from proxy.scheduler import Scheduler, Ticket
 from proxy.waits import Flow, Waits
 
 __all__ = ["Dispatcher", "TenantLimits"]
 
-#: How long a retry waits for a seat on another replica before taking one on the
-#: replica that just failed it.
-RESEAT_PREFERENCE_S = 1.0
 #: Grants between sweeps of tenants whose recent usage decayed to nothing.
 USAGE_SWEEP_EVERY = 4096
-
-
-@dataclass(slots=True, eq=False)
-class _Reseat:
-    """A retry waiting for a seat."""
-
-    future: asyncio.Future[Seat]
-    exclude: frozenset[ReplicaName]
-    strict: bool
-    model: str | None
 
 
 class Dispatcher:
@@ -89,7 +75,7 @@ class Dispatcher:
         self._headroom_grants: dict[str, int] = {}
         self._high_water: dict[str, int] = {}
         #: Retries waiting for a seat: served ahead of queued tickets.
-        self._reseating: list[_Reseat] = []
+        self._reseating = Reseats(self.seats)
         self._closed: ShuttingDown | None = None
 
     # -- configuration -----------------------------------------------------------------
@@ -233,37 +219,13 @@ class Dispatcher:
 
         The retry kept its tenant place during its backoff; only the replica
         seat was given back. While another replica is dispatchable, the retry
-        waits for a seat there (up to ``RESEAT_PREFERENCE_S``) rather than go
+        waits for a seat there (up to ``reseats.RESEAT_PREFERENCE_S``) rather than go
         straight back to the replica that just failed it. Raises
         ``TimeoutError`` when no seat frees in time.
         """
-        loop = asyncio.get_running_loop()
-        strict = self.seats.other_dispatchable(model, exclude)
-        waiter = _Reseat(loop.create_future(), exclude, strict, model)
-        self._reseating.append(waiter)
-        relax = None
-        if strict:
-            relax = loop.call_later(min(RESEAT_PREFERENCE_S, timeout_s / 2), self._relax, waiter)
-        self.pump()
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await waiter.future
-        except BaseException:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.release(future.result())
-            elif not future.done():
-                future.cancel()
-            with contextlib.suppress(ValueError):
-                self._reseating.remove(waiter)
-            raise
-        finally:
-            if relax is not None:
-                relax.cancel()
-
-    def _relax(self, waiter: _Reseat) -> None:
-        waiter.strict = False
-        self.pump()
+        return await self._reseating.wait(
+            exclude, timeout_s, model, pump=self.pump, release=self.release
+        )
 
     # -- seats and places back ---------------------------------------------------------
 
@@ -339,16 +301,7 @@ class Dispatcher:
         and from health, GPU and admin changes (undrain, a replica back)."""
         if not (self._reseating or len(self.scheduler)):
             return  # nobody waits (every release when unloaded)
-        for waiter in list(self._reseating):
-            if waiter.future.done():
-                self._reseating.remove(waiter)
-                continue
-            members = self.seats.members(waiter.model)
-            replica = self.pool.choose(waiter.exclude, strict=waiter.strict, among=members)
-            if replica is None:
-                continue
-            self._reseating.remove(waiter)
-            waiter.future.set_result(self.pool.lease(replica))
+        self._reseating.serve()
         # Pools take turns, one grant each, so pools sharing a replica share its seats.
         waiting = self.scheduler.waiting_models()
         while waiting:

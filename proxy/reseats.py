@@ -1,0 +1,103 @@
+"""Retries waiting for a seat: served ahead of every queued ticket.
+
+A retry kept its tenant place during its backoff; only its replica seat was
+given back. While another replica of its pool is dispatchable, it waits for a
+seat there (up to ``RESEAT_PREFERENCE_S``) rather than go straight back to the
+replica that just failed it. The dispatcher owns the one ``Reseats`` and
+serves it first in every ``pump``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.pools import PoolSeats
+from proxy.replicas import ReplicaName, Seat
+
+#: How long a retry waits for a seat on another replica before taking one on the
+#: replica that just failed it.
+RESEAT_PREFERENCE_S = 1.0
+
+
+@dataclass(slots=True, eq=False)
+class Reseat:
+    """A retry waiting for a seat."""
+
+    future: asyncio.Future[Seat]
+    exclude: frozenset[ReplicaName]
+    strict: bool
+    model: str | None
+
+
+class Reseats:
+    """The retries waiting now, in arrival order."""
+
+    __slots__ = ("_seats", "_waiting")
+
+    def __init__(self, seats: PoolSeats) -> None:
+        self._seats = seats
+        self._waiting: list[Reseat] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def wait(
+        self,
+        exclude: frozenset[ReplicaName],
+        timeout_s: float,
+        model: str | None,
+        *,
+        pump: Callable[[], None],
+        release: Callable[[Seat], None],
+    ) -> Seat:
+        """A seat for a retry (``Dispatcher.reseat``); ``TimeoutError`` when none frees in time.
+
+        ``pump`` hands out free seats (this one's turn included); ``release``
+        gives back a seat granted while the waiter was being cancelled.
+        """
+        loop = asyncio.get_running_loop()
+        strict = self._seats.other_dispatchable(model, exclude)
+        waiter = Reseat(loop.create_future(), exclude, strict, model)
+        self._waiting.append(waiter)
+        relax = None
+        if strict:
+            delay = min(RESEAT_PREFERENCE_S, timeout_s / 2)
+            relax = loop.call_later(delay, self._relax, waiter, pump)
+        pump()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await waiter.future
+        except BaseException:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                release(future.result())
+            elif not future.done():
+                future.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(waiter)
+            raise
+        finally:
+            if relax is not None:
+                relax.cancel()
+
+    @staticmethod
+    def _relax(waiter: Reseat, pump: Callable[[], None]) -> None:
+        waiter.strict = False
+        pump()
+
+    def serve(self) -> None:
+        """Lease each waiting retry a free seat of its pool, where one fits its preference."""
+        pool = self._seats.pool
+        for waiter in list(self._waiting):
+            if waiter.future.done():
+                self._waiting.remove(waiter)
+                continue
+            members = self._seats.members(waiter.model)
+            replica = pool.choose(waiter.exclude, strict=waiter.strict, among=members)
+            if replica is None:
+                continue
+            self._waiting.remove(waiter)
+            waiter.future.set_result(pool.lease(replica))
