@@ -563,3 +563,24 @@ async def test_a_reload_changes_aliases_without_a_restart(
     resp = await proxy.client.post(COMPLETIONS, json=body, headers=AUTH_A)
     assert resp.status == 200 and qwen.named() == ["qwen"] and llama.bodies == []
     proxy.assert_idle()
+
+
+async def test_prefix_affinity_by_prompt_prefix_end_to_end(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Without the header, the prompt's first affinity_prefix_chars pick the replica:
+    requests sharing that prefix (and differing after it) reach one replica."""
+    servers = [await start_replica(aiohttp_server, ["m"]) for _ in range(3)]
+    routing = {"policy": "prefix_affinity", "affinity_prefix_chars": 16}
+    proxy = await start_proxy(make_config([u for u, _ in servers], seats=4, routing=routing))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    for system in ("You are terse.  ", "You are verbose.", "Answer in Dutch.", "Answer in Greek."):
+        before = [len(state.bodies) for _, state in servers]
+        for question in ("one", "two", "three"):
+            resp = await proxy.client.post(
+                COMPLETIONS, json={"model": "m", "prompt": system + question}, headers=AUTH_A
+            )
+            assert resp.status == 200
+        grew = [len(state.bodies) - b for (_, state), b in zip(servers, before, strict=True)]
+        assert sorted(grew) == [0, 0, 3], system
+    proxy.assert_idle()
