@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import math
 import os
 import platform
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -93,6 +94,17 @@ def machine(note: str) -> dict[str, Any]:
         "uvloop": metadata.version("uvloop"),
         "note": note,
     }
+
+
+def access_log_requests(text: str) -> Iterator[dict[str, Any]]:
+    """The request lines of a proxy's JSON access log; other lines and noise are skipped."""
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "request":
+            yield event
 
 
 def revision() -> str:

@@ -45,7 +45,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +59,7 @@ import uvloop
 import yaml
 from prometheus_client import CollectorRegistry
 
-from bench.common import cpu_line, finite, machine
+from bench.common import cpu_line, finite, machine, revision
 from bench.load import Arrivals, load_session, percentile
 from bench.processes import Sims, sim_stats
 from bench.retry_storm_fleet import running_proxy, set_faults, wait_healthy
@@ -451,31 +450,9 @@ async def bench(
 # -- entry point ------------------------------------------------------------------------
 
 
-def _tree() -> str:
-    """The measured tree: short commit, and whether it had uncommitted changes."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head} with uncommitted changes" if dirty.strip() else head
-
-
 def _machine() -> dict[str, Any]:
     return {
-        "tree": _tree(),
+        "revision": revision(),
         **machine(
             "load generator and proxy share this process's event loop; the replicas "
             "are child processes; all share the same CPUs"
