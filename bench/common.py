@@ -140,6 +140,12 @@ def finite(value: Any) -> Any:
     return value
 
 
+def write_results(path: Path, result: dict[str, Any]) -> None:
+    """The run's JSON, NaN and infinity as null, next to the earlier results."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
+
+
 T = TypeVar("T")
 #: Longest wait for one reading (an engine's counters, a front's metrics) before
 #: it counts as missing: a busy llama-server may not answer its /metrics at all.

@@ -62,7 +62,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import math
 import os
 import random
@@ -79,7 +78,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import cpu_line, finite, machine, own_cpu
+from bench.common import cpu_line, machine, own_cpu, write_results
 from bench.fairness_accesslog import Wait, waits
 from bench.fairness_accesslog import read as read_access_log
 from bench.fairness_report import (
@@ -938,8 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "caps_cost_figures": [asdict(f) for f in caps_cost_figures(costs)],
         "pass": judged,
     }  # fmt: skip
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
+    write_results(args.output, result)
     print(f"\nresults: {args.output} ({result['wall_s']:.0f} s)")
     return 0
 
