@@ -140,6 +140,17 @@ def finite(value: Any) -> Any:
     return value
 
 
+@dataclass(slots=True)
+class FigureBase:
+    """One line of a benchmark's verdict table; each report adds how it prints."""
+
+    name: str
+    value: float
+    target: str
+    #: None: reported for context, no target applies.
+    passed: bool | None
+
+
 def write_results(path: Path, result: dict[str, Any]) -> None:
     """The run's JSON, NaN and infinity as null, next to the earlier results."""
     path.parent.mkdir(parents=True, exist_ok=True)

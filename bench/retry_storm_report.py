@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bench.common import access_log_requests
+from bench.common import FigureBase, access_log_requests
 from bench.load import percentile
 
 # -- records ----------------------------------------------------------------------------
@@ -259,11 +259,7 @@ def summarize(policy: str, stats: Sequence[Stats]) -> Summary:
 
 
 @dataclass(slots=True)
-class Figure:
-    name: str
-    value: float
-    target: str
-    passed: bool | None
+class Figure(FigureBase):
     detail: str = ""
     percent: bool = False
 
