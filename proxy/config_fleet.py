@@ -8,7 +8,6 @@ instances live (``proxy/state/``).
 from __future__ import annotations
 
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -19,7 +18,7 @@ from pydantic import (
 from proxy.config_errors import (
     rule,
 )
-from proxy.config_sections import HeaderName, Section
+from proxy.config_sections import HeaderName, Section, split_url
 
 __all__ = [
     "DEFAULT_AFFINITY_HEADER",
@@ -66,11 +65,7 @@ DEFAULT_STATE_ON_FAILURE: Literal["local_share", "reject"] = "local_share"
 
 def _check_redis_url(value: str) -> str:
     """A Redis URL as redis-py reads it: redis://, rediss:// (TLS) or unix://."""
-    parts = urlsplit(value)
-    try:
-        parts.port  # noqa: B018 - raises on a port that is not a number in range
-    except ValueError as exc:
-        raise rule(f"invalid port in URL: {exc}") from None
+    parts = split_url(value)
     if parts.scheme in ("redis", "rediss") and parts.hostname:
         return value
     if parts.scheme == "unix" and parts.path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -144,13 +144,19 @@ ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256, patte
 HeaderName = Annotated[str, StringConstraints(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")]
 
 
-def _check_http_url(value: str) -> str:
-    """An upstream URL: http(s), a host, no query or fragment; kept without trailing slash."""
+def split_url(value: str) -> SplitResult:
+    """``urlsplit``, and a port that is not a number in range is a rule violation."""
     parts = urlsplit(value)
     try:
         parts.port  # noqa: B018 - raises on a port that is not a number in range
     except ValueError as exc:
         raise rule(f"invalid port in URL: {exc}") from None
+    return parts
+
+
+def _check_http_url(value: str) -> str:
+    """An upstream URL: http(s), a host, no query or fragment; kept without trailing slash."""
+    parts = split_url(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise rule("must be an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
