@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import math
 import os
 import platform
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -95,6 +96,17 @@ def machine(note: str) -> dict[str, Any]:
     }
 
 
+def access_log_requests(text: str) -> Iterator[dict[str, Any]]:
+    """The request lines of a proxy's JSON access log; other lines and noise are skipped."""
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "request":
+            yield event
+
+
 def revision() -> str:
     """The commit measured, with ``+dirty`` when ``proxy/`` has uncommitted changes."""
     try:
@@ -126,6 +138,23 @@ def finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [finite(v) for v in value]
     return value
+
+
+@dataclass(slots=True)
+class FigureBase:
+    """One line of a benchmark's verdict table; each report adds how it prints."""
+
+    name: str
+    value: float
+    target: str
+    #: None: reported for context, no target applies.
+    passed: bool | None
+
+
+def write_results(path: Path, result: dict[str, Any]) -> None:
+    """The run's JSON, NaN and infinity as null, next to the earlier results."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
 
 
 T = TypeVar("T")

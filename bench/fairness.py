@@ -62,7 +62,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import math
 import os
 import random
@@ -79,7 +78,7 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import cpu_line, finite, machine, own_cpu
+from bench.common import cpu_line, machine, own_cpu, write_results
 from bench.fairness_accesslog import Wait, waits
 from bench.fairness_accesslog import read as read_access_log
 from bench.fairness_report import (
@@ -566,47 +565,53 @@ def _variant_runs(
     return chosen
 
 
+def _ratio_if(
+    runs: dict[str, Run], name: str, top: str, bottom: str, flow: str, *, judged: bool
+) -> list[Figure]:
+    """The p99 ratio of ``top`` over ``bottom`` when both ran (else nothing)."""
+    if top not in runs or bottom not in runs:
+        return []
+    return [_ratio_figure(name, runs[top], runs[bottom], flow, judged=judged)]
+
+
+def _ideal_if(runs: dict[str, Run], name: str, top: str, bottom: str, flow: str) -> list[Figure]:
+    if top not in runs or bottom not in runs or not runs[top].waits:
+        return []
+    return [_ideal_figure(name, runs[top], runs[bottom], flow)]
+
+
+def _attainment_if(
+    runs: dict[str, Run], name: str, key: str, flow: str, *, judged: bool
+) -> list[Figure]:
+    if key not in runs:
+        return []
+    return [_attainment_figure(name, _stats(runs[key])[flow], judged=judged)]
+
+
 def noisy_neighbour_figures(all_runs: dict[str, Run], *, capped: bool = False) -> list[Figure]:
     runs = _variant_runs(
         all_runs, ("alone", "neighbour", "aggressor"), ("aggressor-direct",), capped=capped
     )
-    figures: list[Figure] = []
-    if "aggressor" in runs and "neighbour" in runs:
-        figures.append(_ratio_figure(
+    return [
+        *_ratio_if(runs,
             "victim p99 TTFT: next to the 10x aggressor / next to a well-behaved neighbour",
-            runs["aggressor"], runs["neighbour"], "victim", judged=True,
-        ))  # fmt: skip
-    if "aggressor" in runs:
-        figures.append(_attainment_figure(
-            "victim SLO attainment next to the aggressor", _stats(runs["aggressor"])["victim"],
-            judged=True,
-        ))  # fmt: skip
-    if "aggressor" in runs and "neighbour" in runs and runs["aggressor"].waits:
-        figures.append(_ideal_figure(
+            "aggressor", "neighbour", "victim", judged=True),
+        *_attainment_if(runs, "victim SLO attainment next to the aggressor", "aggressor",
+                        "victim", judged=True),
+        *_ideal_if(runs,
             "the same, had the victim always been first in line (estimate from the access log)",
-            runs["aggressor"], runs["neighbour"], "victim",
-        ))  # fmt: skip
-    if "aggressor" in runs and "alone" in runs:
-        figures.append(_ratio_figure(
-            "victim p99 TTFT: next to the aggressor / alone (the issue's baseline)",
-            runs["aggressor"], runs["alone"], "victim", judged=False,
-        ))  # fmt: skip
-    if "neighbour" in runs and "alone" in runs:
-        figures.append(_ratio_figure(
+            "aggressor", "neighbour", "victim"),
+        *_ratio_if(runs, "victim p99 TTFT: next to the aggressor / alone (the issue's baseline)",
+                   "aggressor", "alone", "victim", judged=False),
+        *_ratio_if(runs,
             "victim p99 TTFT: next to the neighbour / alone (what any neighbour costs)",
-            runs["neighbour"], runs["alone"], "victim", judged=False,
-        ))  # fmt: skip
-    if "aggressor-direct" in runs and "neighbour" in runs:
-        figures.append(_ratio_figure(
+            "neighbour", "alone", "victim", judged=False),
+        *_ratio_if(runs,
             "no proxy: victim p99 TTFT next to the aggressor / next to the neighbour (proxied)",
-            runs["aggressor-direct"], runs["neighbour"], "victim", judged=False,
-        ))  # fmt: skip
-    if "aggressor-direct" in runs:
-        figures.append(_attainment_figure(
-            "no proxy: victim SLO attainment next to the aggressor",
-            _stats(runs["aggressor-direct"])["victim"], judged=False,
-        ))  # fmt: skip
-    return figures
+            "aggressor-direct", "neighbour", "victim", judged=False),
+        *_attainment_if(runs, "no proxy: victim SLO attainment next to the aggressor",
+                        "aggressor-direct", "victim", judged=False),
+    ]  # fmt: skip
 
 
 def weighted_batch_share() -> float:
@@ -633,22 +638,16 @@ def priority_figures(all_runs: dict[str, Run], *, capped: bool = False) -> list[
         all_runs, ("batch-modest", "batch-flood", "backlogged"), ("batch-flood-direct",),
         capped=capped,
     )  # fmt: skip
-    figures: list[Figure] = []
-    if "batch-flood" in runs and "batch-modest" in runs:
-        figures.append(_ratio_figure(
+    figures = [
+        *_ratio_if(runs,
             "interactive p99 TTFT: with the batch flood / with batch at a modest rate",
-            runs["batch-flood"], runs["batch-modest"], "interactive", judged=True,
-        ))  # fmt: skip
-    if "batch-flood" in runs and "batch-modest" in runs and runs["batch-flood"].waits:
-        figures.append(_ideal_figure(
+            "batch-flood", "batch-modest", "interactive", judged=True),
+        *_ideal_if(runs,
             "the same, had interactive always been first in line (estimate from the access log)",
-            runs["batch-flood"], runs["batch-modest"], "interactive",
-        ))  # fmt: skip
-    if "batch-flood" in runs:
-        figures.append(_attainment_figure(
-            "interactive SLO attainment with the batch flood",
-            _stats(runs["batch-flood"])["interactive"], judged=True,
-        ))  # fmt: skip
+            "batch-flood", "batch-modest", "interactive"),
+        *_attainment_if(runs, "interactive SLO attainment with the batch flood", "batch-flood",
+                        "interactive", judged=True),
+    ]  # fmt: skip
     if "backlogged" in runs:
         share = batch_share(runs["backlogged"])
         weighted = weighted_batch_share()
@@ -663,17 +662,14 @@ def priority_figures(all_runs: dict[str, Run], *, capped: bool = False) -> list[
             f"({1 - weighted:.1%})", (1 - share["token_share"]) / (1 - weighted),
             "(reported)", None,
         ))  # fmt: skip
-    if "batch-flood-direct" in runs and "batch-modest" in runs:
-        figures.append(_ratio_figure(
+    return [
+        *figures,
+        *_ratio_if(runs,
             "no proxy: interactive p99 TTFT with the flood / with batch modest (proxied)",
-            runs["batch-flood-direct"], runs["batch-modest"], "interactive", judged=False,
-        ))  # fmt: skip
-    if "batch-flood-direct" in runs:
-        figures.append(_attainment_figure(
-            "no proxy: interactive SLO attainment with the batch flood",
-            _stats(runs["batch-flood-direct"])["interactive"], judged=False,
-        ))  # fmt: skip
-    return figures
+            "batch-flood-direct", "batch-modest", "interactive", judged=False),
+        *_attainment_if(runs, "no proxy: interactive SLO attainment with the batch flood",
+                        "batch-flood-direct", "interactive", judged=False),
+    ]  # fmt: skip
 
 
 #: The scenarios whose throughput is compared across the two configs, and the
@@ -941,8 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "caps_cost_figures": [asdict(f) for f in caps_cost_figures(costs)],
         "pass": judged,
     }  # fmt: skip
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
+    write_results(args.output, result)
     print(f"\nresults: {args.output} ({result['wall_s']:.0f} s)")
     return 0
 

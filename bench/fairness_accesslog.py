@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import bisect
 import datetime
-import json
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.common import access_log_requests
 
 #: Dispatches closer than this to a ticket's enqueue or dispatch are not counted.
 MARGIN_S = 0.002
@@ -54,13 +55,7 @@ def read(path: Path) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
     if not path.exists():
         return entries
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(event, dict) or event.get("event") != "request":
-            continue
+    for event in access_log_requests(path.read_text(errors="replace")):
         total, queue = event.get("total_ms"), event.get("queue_ms")
         if total is None or queue is None:
             continue

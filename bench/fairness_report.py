@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.common import FigureBase
 from bench.fairness_accesslog import Wait
 from bench.fairness_traffic import Flow, Result
 from bench.load import percentile
@@ -160,14 +161,9 @@ def value_p99_ratio(a: Sequence[float], b: Sequence[float]) -> tuple[float, floa
 
 
 @dataclass(slots=True)
-class Figure:
-    """One line of a verdict table."""
+class Figure(FigureBase):
+    """With its unit and bootstrap interval."""
 
-    name: str
-    value: float
-    target: str
-    #: None: reported for context, no target applies.
-    passed: bool | None
     unit: str = "x"
     interval: tuple[float, float] | None = None
 

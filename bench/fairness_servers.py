@@ -21,7 +21,6 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 
 import aiohttp
 
@@ -30,6 +29,7 @@ from bench.common import Readings, scrubbed_env
 from bench.processes import (
     POLL_S,
     START_TIMEOUT_S,
+    Closing,
     Server,
     Sims,
     logged_url,
@@ -46,7 +46,7 @@ def _command() -> list[str]:
     return [sys.executable, "-m", "proxy"]
 
 
-class Fleet:
+class Fleet(Closing):
     """The replicas for the whole run and one proxy at a time, all stopped on exit."""
 
     def __init__(self, workdir: Path) -> None:
@@ -90,17 +90,6 @@ class Fleet:
     def close(self) -> None:
         self.stop_proxy()
         self._sims.close()
-
-    def __enter__(self) -> Fleet:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 async def wait_ready(session: aiohttp.ClientSession, child: Server, path: str) -> None:

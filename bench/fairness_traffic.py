@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.load import Arrivals
+from bench.load import DONE, Arrivals, refusal_reason, sse_data
 
 PATH = "/v1/chat/completions"
 MODEL = "sim-model"
@@ -153,16 +153,12 @@ async def send(
             result.status = response.status
             if response.status != 200:
                 await response.read()
-                reason = response.headers.get("X-Admission-Reason")
-                result.reason = reason or f"status {response.status}"
+                result.reason = refusal_reason(response)
                 return
             result.queue_ms = server_timing_ms(response.headers.get("Server-Timing"), "queue")
             reason = "truncated"
-            async for line in response.content:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
+            async for payload in sse_data(response):
+                if payload == DONE:
                     reason = ""
                     break
                 if payload.startswith(b'{"error"'):

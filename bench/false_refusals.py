@@ -49,7 +49,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import ROOT, finite, machine, revision, scrubbed_env
+from bench.common import ROOT, machine, revision, scrubbed_env, write_results
 from bench.load import load_session
 from bench.processes import Server, free_port, start_server, stop_server, wait_ready
 
@@ -507,8 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = asyncio.run(bench(args.quick, args.seed, args.today, args.scenarios))
     if args.quick and args.output == RESULTS:
         args.output = RESULTS.with_name("false_refusals_quick.json")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(finite(result), indent=2) + "\n")
+    write_results(args.output, result)
     for title, rows in (("live", result["scenarios"]), ("virtual", result["virtual"])):
         print(f"\n{title}\n\n{table(rows)}\n")
         for row in rows:

@@ -32,7 +32,7 @@ from proxy.admitted import Deadline
 from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import PredictedWaitExceedsBudget, QueueTimeout
-from proxy.replicas import Replica, ReplicaPool
+from proxy.replicas import Replica, ReplicaPool, ReplicaState
 from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig
 
@@ -90,7 +90,7 @@ def replay(
             outcome[i] = "failed" if arrivals[i].timeout_ms is not None else "served"
             d.finish(tickets[i], tickets[i].seat)
         elif kind == "kill":
-            replicas[-1].ejected = True
+            replicas[-1].move_to(ReplicaState.EJECTED)
             for j, ticket in tickets.items():
                 seat = ticket.seat
                 if outcome[j] == "running" and seat is not None and seat.replica is replicas[-1]:

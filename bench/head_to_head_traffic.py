@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.load import load_session
+from bench.load import DONE, load_session, refusal_reason, sse_data
 from proxy.loadtest.client import request_resending_stale
 from proxy.sse import has_token
 
@@ -165,15 +165,11 @@ async def _exchange(
         outcome.status = response.status
         if response.status != 200:
             await response.read()
-            reason = response.headers.get("X-Admission-Reason")
-            outcome.reason = reason or f"status {response.status}"
+            outcome.reason = refusal_reason(response)
             return
         reason = "truncated"
-        async for line in response.content:
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+        async for payload in sse_data(response):
+            if payload == DONE:
                 reason = ""
                 break
             if outcome.ttft_s is not None and b'"usage"' not in payload:

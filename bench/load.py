@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,25 @@ def load_session(
     return aiohttp.ClientSession(
         connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
     )
+
+
+#: The last SSE payload of a stream that ended well.
+DONE = b"[DONE]"
+
+
+def refusal_reason(response: aiohttp.ClientResponse) -> str:
+    """Why an answer that is not a 200 failed: the proxy's reason code, else its status."""
+    return response.headers.get("X-Admission-Reason") or f"status {response.status}"
+
+
+async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The payload of every SSE ``data:`` line, up to and including ``[DONE]``."""
+    async for line in response.content:
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            yield payload
+            if payload == DONE:
+                return
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

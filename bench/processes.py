@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 
@@ -200,7 +200,25 @@ async def sim_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     return stats
 
 
-class Sims:
+class Closing:
+    """What ``with`` closes on the way out, however the block ends (harnesses of processes)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Sims(Closing):
     """A set of simulated replicas (``admission-proxy sim``), all stopped on exit."""
 
     def __init__(self, workdir: Path, label: str) -> None:
@@ -232,14 +250,3 @@ class Sims:
         for sim in reversed(self.sims):
             stop_server(sim)
         self.sims.clear()
-
-    def __enter__(self) -> Sims:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

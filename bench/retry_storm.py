@@ -45,7 +45,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,8 +59,8 @@ import uvloop
 import yaml
 from prometheus_client import CollectorRegistry
 
-from bench.common import cpu_line, finite, machine
-from bench.load import Arrivals, load_session, percentile
+from bench.common import cpu_line, machine, revision, write_results
+from bench.load import Arrivals, load_session, percentile, refusal_reason
 from bench.processes import Sims, sim_stats
 from bench.retry_storm_fleet import running_proxy, set_faults, wait_healthy
 from bench.retry_storm_report import (
@@ -211,8 +210,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: bytes, result: Re
             if response.status == 200:
                 result.reason = ""
             else:
-                reason = response.headers.get("X-Admission-Reason")
-                result.reason = reason or f"status {response.status}"
+                result.reason = refusal_reason(response)
         result.total_s = time.perf_counter() - sent
     except (aiohttp.ClientError, TimeoutError) as exc:
         result.reason = type(exc).__name__
@@ -451,31 +449,9 @@ async def bench(
 # -- entry point ------------------------------------------------------------------------
 
 
-def _tree() -> str:
-    """The measured tree: short commit, and whether it had uncommitted changes."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head} with uncommitted changes" if dirty.strip() else head
-
-
 def _machine() -> dict[str, Any]:
     return {
-        "tree": _tree(),
+        "revision": revision(),
         **machine(
             "load generator and proxy share this process's event loop; the replicas "
             "are child processes; all share the same CPUs"
@@ -600,8 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "figures": [asdict(f) for f in items],
         "pass": {f.name: f.passed for f in items if f.passed is not None},
     }  # fmt: skip
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
+    write_results(args.output, result)
     print(f"\nresults: {args.output} ({result['wall_s']:.0f} s)")
     return 0
 

@@ -21,13 +21,13 @@ exactly; ``Stats.log_total`` and ``Stats.replicas_total`` show that they do.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from bench.common import FigureBase, access_log_requests
 from bench.load import percentile
 
 # -- records ----------------------------------------------------------------------------
@@ -63,13 +63,7 @@ class Entry:
 
 def read_access_log(text: str) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(event, dict) or event.get("event") != "request":
-            continue
+    for event in access_log_requests(text):
         replica = event.get("replica")
         entries[str(event["request_id"])] = Entry(
             int(event.get("attempts") or 0),
@@ -265,11 +259,7 @@ def summarize(policy: str, stats: Sequence[Stats]) -> Summary:
 
 
 @dataclass(slots=True)
-class Figure:
-    name: str
-    value: float
-    target: str
-    passed: bool | None
+class Figure(FigureBase):
     detail: str = ""
     percent: bool = False
 

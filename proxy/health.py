@@ -2,8 +2,9 @@
 
 ``Health`` owns the background loop (started and stopped by the app's
 ``cleanup_ctx``) and the per-replica counters the request path feeds with
-``attempt_succeeded`` / ``attempt_failed``. It flips the flags on ``Replica``
-that ``ReplicaPool`` reads (``ejected``, ``warming``, ``saturated``); it never
+``attempt_succeeded`` / ``attempt_failed``. It moves each replica's
+``ReplicaState`` (replicas.py draws the transitions) and flips the hold-offs
+``ReplicaPool`` reads (``saturated``, ``gpu_guarded``); it never
 holds a seat and its requests are never counted as client requests.
 
 Rules (docs/REFERENCE.md):
@@ -39,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.clock import Clock
 from proxy.errors import ProxyError
 from proxy.models import ModelTable, parse_model_list
-from proxy.replicas import Replica, ReplicaPool
+from proxy.replicas import Replica, ReplicaPool, ReplicaState
 from proxy.settings import Config
 from proxy.telemetry.gpu import GpuReading
 from proxy.upstream import translate
@@ -168,7 +169,7 @@ class Health:
         replica.ejections += 1
         base = self._config.health.eject_ms / 1000.0
         duration = min(MAX_EJECTION_S, base * 2 ** (replica.ejections - 1))
-        replica.ejected = True
+        replica.move_to(ReplicaState.EJECTED)
         replica.ejected_until = self._clock.now() + duration
         log.warning("replica ejected", replica=replica.name, seconds=duration,
                     failures=replica.failures, ejection=replica.ejections)  # fmt: skip
@@ -177,7 +178,7 @@ class Health:
         """Never healthy yet: no ejection and no backoff, only the next probe."""
         replica.failures = 0
         if not replica.starting:
-            replica.starting = True
+            replica.move_to(ReplicaState.STARTING)
             log.info("replica starting: probed every interval until it answers",
                      replica=replica.name, error=replica.probe_error)  # fmt: skip
 
@@ -185,8 +186,8 @@ class Health:
         """A probe (or warm-up) succeeded: from now on the normal ejection rules apply."""
         replica.healthy_once = True
         replica.probe_error = None
-        if replica.starting:
-            replica.starting = False
+        if replica.health is ReplicaState.STARTING:
+            replica.move_to(ReplicaState.SERVING)
             log.info("replica started", replica=replica.name)
 
     def earliest_return_s(self) -> float:
@@ -208,7 +209,7 @@ class Health:
         self._session = session
         if self._config.warmup.requests > 0:
             for replica in self._pool.replicas:
-                replica.warming = replica.starting = True
+                replica.move_to(ReplicaState.WARMING)
         await asyncio.gather(*(self._start(r) for r in self._pool.replicas))
         while True:
             await asyncio.sleep(self._config.health.interval_ms / 1000.0)
@@ -238,14 +239,13 @@ class Health:
             if self._clock.now() < replica.ejected_until:
                 return
             if await self._probe(replica) and await self._warm(replica):
-                replica.ejected = False
+                replica.move_to(ReplicaState.SERVING)
                 replica.failures = 0
                 self._came_up(replica)
                 log.info("replica returned", replica=replica.name)
                 self._on_change()
             else:
-                replica.ejected = False  # re-eject with the next, longer duration
-                self._eject(replica)
+                self._eject(replica)  # again, for the next, longer duration
             return
         if not await self._probe(replica):
             self._count_failure(replica, passive=False)
@@ -287,7 +287,10 @@ class Health:
 
     async def _warm(self, replica: Replica) -> bool:
         """``warmup.requests`` completions of one token; the replica serves only after."""
-        replica.warming = True
+        if replica.health is ReplicaState.STARTING:
+            replica.move_to(ReplicaState.WARMING)
+        elif replica.health is ReplicaState.EJECTED:
+            replica.move_to(ReplicaState.RETURNING)
         try:
             model = await self._model_of(replica)
             for _ in range(self._config.warmup.requests):
@@ -295,7 +298,11 @@ class Health:
                     return False
             return True
         finally:
-            replica.warming = False
+            # back where it came from (unless ejected meanwhile); the caller decides
+            if replica.health is ReplicaState.WARMING:
+                replica.move_to(ReplicaState.STARTING)
+            elif replica.health is ReplicaState.RETURNING:
+                replica.move_to(ReplicaState.EJECTED)
 
     async def _model_of(self, replica: Replica) -> str | None:
         """The model a warm-up names: the first its ``GET /v1/models`` lists.

@@ -36,7 +36,7 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel
 
-from proxy.replicas import Replica
+from proxy.replicas import Replica, ReplicaState
 from proxy.runtime import Rules, Runtime
 from proxy.settings import Config, ConfigError, ConfigIssue, load_config
 from proxy.tls import ReplicaTls, same_files, tls_by_replica
@@ -160,7 +160,7 @@ def apply_config(
         replica = Replica(replica_config, api_key=api_key, tls=tls[replica_config.name])
         # Not healthy yet: the next health round probes and warms it before it
         # takes traffic, and failures keep it starting, never ejected.
-        replica.starting = True
+        replica.move_to(ReplicaState.STARTING)
         pool.add(replica)
     for replica in pool.replicas:
         if replica.name not in wanted:

@@ -8,16 +8,31 @@ in-flight/limit ratio, ties broken at random, so load spreads evenly without a
 central counter. A ``Seat`` is the lease on one of those places; it goes
 back through ``Dispatcher.release``, where releasing it twice is harmless,
 which lets every path release in ``finally`` without bookkeeping. No I/O
-here: health probes and engine scrapes (``health.py``) only flip the flags
-this module reads.
+here: health probes and engine scrapes (``health.py``) only move the state
+and flip the flags this module reads.
+
+A replica's health lifecycle is one ``ReplicaState``, moved only along
+``TRANSITIONS`` (``Replica.move_to``)::
+
+    STARTING ──probe answers──▶ WARMING ──warm-up over──▶ STARTING ──came up──▶ SERVING
+    SERVING ──failures──▶ EJECTED ──expired, probe answers──▶ RETURNING ──▶ EJECTED ──▶ SERVING
+
+Beside it, three things that are not health states: ``draining`` is the
+operator's flag (``/admin/replicas/{name}/drain``) and outlives an ejection;
+``saturated`` (the engine's metrics) and ``gpu_guarded`` (its GPU's memory)
+are hold-offs that keep a serving replica from new seats for a while. The
+booleans the request path reads (``serving``, ``ejected``, ``starting``,
+``warming``) are views of the state, and ``state`` is the one word
+``/admin/state`` shows (draining over serving).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 import ssl
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NewType
 
 from proxy.settings import ReplicaConfig
@@ -26,15 +41,53 @@ from proxy.tls import ReplicaTls
 ReplicaName = NewType("ReplicaName", str)
 
 
+class ReplicaState(enum.Enum):
+    """Where a replica is in its health lifecycle (``health.py`` moves it)."""
+
+    #: Never healthy since start-up or since a reload added it: probed every
+    #: interval, no traffic, never ejected (an engine may load for minutes).
+    STARTING = "starting"
+    #: Starting, and its probe answered (or start-up): warm-up requests run;
+    #: requests wait for it rather than being refused.
+    WARMING = "warming"
+    SERVING = "serving"
+    #: Failed past the threshold: no traffic until ``ejected_until``.
+    EJECTED = "ejected"
+    #: Its ejection is over and its probe answered: warming up to serve again
+    #: (still ejected for the request path until the warm-up succeeds).
+    RETURNING = "returning"
+
+
+_S = ReplicaState
+#: The moves ``health.py`` makes; any other is a bug (``IllegalTransition``).
+TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
+    # probe answered: warm up; came up (no warm-up configured); or healthy once
+    # through a request that was in flight, then failed past the threshold.
+    _S.STARTING: frozenset({_S.WARMING, _S.SERVING, _S.EJECTED}),
+    # the warm-up is over (came up or not, health decides); ejected as above.
+    _S.WARMING: frozenset({_S.STARTING, _S.EJECTED}),
+    # failures: ejected, or starting when never healthy yet (also a reload's
+    # new replica); start-up warms every replica before its first request.
+    _S.SERVING: frozenset({_S.STARTING, _S.WARMING, _S.EJECTED}),
+    # expired and probed: warm up; returned; a failed return ejects it longer.
+    _S.EJECTED: frozenset({_S.RETURNING, _S.SERVING, _S.EJECTED}),
+    _S.RETURNING: frozenset({_S.EJECTED}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A move of a replica's state that ``TRANSITIONS`` does not allow."""
+
+
 class Replica:
     """Live state of one upstream replica."""
 
     __slots__ = (
+        "_health",
         "api_key",
         "config",
         "draining",
         "drops_kept_alive",
-        "ejected",
         "ejected_until",
         "ejections",
         "failures",
@@ -48,10 +101,8 @@ class Replica:
         "retired",
         "saturated",
         "ssl",
-        "starting",
         "tls",
         "url",
-        "warming",
     )
 
     def __init__(
@@ -67,9 +118,10 @@ class Replica:
         self.headroom = config.headroom
         self.api_key = api_key
         self.inflight = 0
-        self.ejected = False
+        self._health = ReplicaState.SERVING
+        #: The operator's drain (``/admin``, or a reload's retirement): no new
+        #: work; it is not a health state and outlives an ejection.
         self.draining = False
-        self.warming = False
         #: Removed from the config by a reload: drains, then leaves the pool.
         self.retired = False
         #: Engine metrics say the replica is saturated (fresh readings only).
@@ -84,7 +136,6 @@ class Replica:
         #: then a failure makes it ``starting`` (probed on the interval, no
         #: ejection backoff) instead of ejected: an engine may load for minutes.
         self.healthy_once = False
-        self.starting = False
         #: Why its last probe failed (``/admin/state``); None after a success.
         self.probe_error: str | None = None
         #: It closed a kept-alive connection under us (llama.cpp does after each
@@ -105,9 +156,33 @@ class Replica:
         self.ssl = tls.context if tls is not None else True
 
     @property
+    def health(self) -> ReplicaState:
+        return self._health
+
+    def move_to(self, state: ReplicaState) -> None:
+        """The one way the state changes; a move ``TRANSITIONS`` lacks is a bug."""
+        if state not in TRANSITIONS[self._health]:
+            raise IllegalTransition(f"replica {self.name}: {self._health.value} -> {state.value}")
+        self._health = state
+
+    @property
+    def starting(self) -> bool:
+        """Never healthy yet (warming up or waiting for its probe)."""
+        return self._health is ReplicaState.STARTING or self._health is ReplicaState.WARMING
+
+    @property
+    def warming(self) -> bool:
+        """Its warm-up requests are running (first start or return from ejection)."""
+        return self._health is ReplicaState.WARMING or self._health is ReplicaState.RETURNING
+
+    @property
+    def ejected(self) -> bool:
+        return self._health is ReplicaState.EJECTED or self._health is ReplicaState.RETURNING
+
+    @property
     def serving(self) -> bool:
         """May take new work at all (seats aside)."""
-        return not (self.ejected or self.draining or self.warming or self.starting)
+        return self._health is ReplicaState.SERVING and not self.draining
 
     @property
     def dispatchable(self) -> bool:
@@ -125,11 +200,16 @@ class Replica:
 
     @property
     def state(self) -> str:
-        """One word for operators: the first of its flags that holds, else serving."""
-        for flag in ("ejected", "starting", "draining", "warming"):
-            if getattr(self, flag):
-                return flag
-        return "serving"
+        """One word for operators: ejected, starting, draining or serving.
+
+        Returning shows as ejected and warming as starting (the request path
+        treats them so); draining shows only over serving.
+        """
+        if self.ejected:
+            return "ejected"
+        if self.starting:
+            return "starting"
+        return "draining" if self.draining else "serving"
 
     @property
     def load(self) -> float:

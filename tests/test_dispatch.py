@@ -19,7 +19,7 @@ from proxy.errors import (
     TenantConcurrency,
     TenantQueueFull,
 )
-from proxy.replicas import Replica, ReplicaPool, Seat
+from proxy.replicas import Replica, ReplicaPool, ReplicaState, Seat
 from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig
 
@@ -365,7 +365,7 @@ async def test_a_burst_after_a_quiet_period_and_a_replica_loss_is_not_refused() 
     clock = FakeClock()
     d, replicas = _two_replicas(clock)
     await _sparse_traffic(d, clock)
-    replicas[1].ejected = True
+    replicas[1].move_to(ReplicaState.EJECTED)
     budgets = BudgetsConfig(queue_ms=5000, first_byte_ms=1000, total_ms=30000)
     burst = [enqueue(d, clock, "a", budgets=budgets) for _ in range(100)]  # none refused
     estimate = d.predict_wait("a", "standard", clock.now())
@@ -391,7 +391,7 @@ async def test_retry_after_of_a_full_queue_uses_the_capacity_not_a_quiet_rate() 
     clock = FakeClock()
     d, replicas = _two_replicas(clock, queue_capacity=10)
     await _sparse_traffic(d, clock)
-    replicas[1].ejected = True
+    replicas[1].move_to(ReplicaState.EJECTED)
     held = [enqueue(d, clock, "a") for _ in range(14)]  # 4 running, 10 queued
     with pytest.raises(TenantQueueFull) as info:
         enqueue(d, clock, "a")
@@ -466,7 +466,7 @@ async def test_a_flow_keeps_its_share_when_busy_neighbours_are_momentarily_not_q
         ticket = enqueue(d, clock, "abc"[step % 3])
         assert ticket.seat is not None  # under capacity: every one starts at once
         running.append((ticket, clock.now() + 0.1))
-    replicas[1].ejected = True
+    replicas[1].move_to(ReplicaState.EJECTED)
     rates = d.waits.drain_rates("a", "standard", clock.now())
     assert rates is not None
     mean = d.waits.seat_time.mean_s  # a seat frees at the first step after 100 ms

@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 from proxy.app import build_runtime
 from proxy.clock import FakeClock
 from proxy.reload import apply_config
+from proxy.replicas import ReplicaState
 from proxy.sim import SimConfig, SimServer, start_sim
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config, wait_for
@@ -155,9 +156,9 @@ async def test_starting_replica_is_held_without_backoff_on_a_fake_clock() -> Non
     assert r1.ejected and r1.ejected_until == clock.now() + 60.0
     assert health.earliest_return_s() == 0.05  # r0 may answer its next probe
     assert not pool.any_usable()
-    r0.warming = True  # its first warm-up: requests wait for it
+    r0.move_to(ReplicaState.WARMING)  # its first warm-up: requests wait for it
     assert pool.any_usable()
-    r0.warming = False
+    r0.move_to(ReplicaState.STARTING)
 
     health._came_up(r0)
     assert not r0.starting and r0.serving

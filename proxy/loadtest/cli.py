@@ -20,10 +20,13 @@ import asyncio
 import datetime
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 __all__ = ["add_loadtest_arguments", "run_loadtest"]
+
+_N = TypeVar("_N", int, float)
 
 STAIRCASE_HELP = """\
 Closed-loop concurrency levels against any OpenAI-compatible URL (a replica
@@ -96,24 +99,23 @@ def _token_range(text: str) -> tuple[int, int]:
     return pair
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return value
+def _positive(kind: Callable[[str], _N], what: str, rule: str) -> Callable[[str], _N]:
+    """An argparse ``type=`` for a number above zero; ``rule`` says so in its own terms."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(rule)
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
+_positive_int = _positive(int, "an integer", "must be >= 1")
+_positive_float = _positive(float, "a number", "must be > 0")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ from proxy.loadtest.generator import LoopLag, run_open_loop
 from proxy.loadtest.progress import Progress
 from proxy.loadtest.results import RequestResult, RequestSpec
 from proxy.loadtest.schedule import Arrival, PhaseWindow, build_arrivals, phase_windows
-from proxy.loadtest.scrape import MetricsSample, MetricsSampler
+from proxy.loadtest.scrape import MetricsSample, MetricsSampler, ScrapeTarget
 from proxy.loadtest.staircase import FALLBACK_MODEL, LAG_WARNING_MS, discover_model
 from proxy.loadtest.timeline import GOOD, PhasesSummary, classify, summarise_phases
 from proxy.loadtest.workload import PhaseFault, Workload
@@ -42,22 +42,12 @@ FAULT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
-class PhasesPlan:
+class PhasesPlan(ScrapeTarget):
     url: str
     workload: Workload
     workload_source: str = "<workload>"
     fault_urls: tuple[str, ...] = ()
     metrics_url: str | None = None
-
-    @property
-    def base_url(self) -> str:
-        return self.url.rstrip("/")
-
-    @property
-    def scrape_url(self) -> str | None:
-        if self.metrics_url == "":
-            return None
-        return self.metrics_url or self.base_url + "/metrics"
 
 
 @dataclass(slots=True)

@@ -8,7 +8,6 @@ anyone can recount goodput from it. Shared formatting comes from ``report``.
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,18 +16,19 @@ from proxy.loadtest.client import ENDPOINTS
 from proxy.loadtest.plots import plot_timeline
 from proxy.loadtest.report import (
     NO_PLOTS,
-    csv_cell,
     fmt_counts,
     fmt_ms,
     fmt_num,
     md_table,
     plotting_available,
+    write_csv,
     write_json,
 )
 from proxy.loadtest.timeline import GroupSummary, classify
 
 if TYPE_CHECKING:
     from proxy.loadtest.phases import PhasesResult
+    from proxy.loadtest.results import RequestResult
 
 __all__ = ["PHASES_FILES", "phases_markdown", "write_phases_report"]
 
@@ -161,13 +161,10 @@ def _phases_csv(path: Path, result: PhasesResult) -> None:
         "rejected_per_s", "rejections", "queue_depth", "inflight", "retries_per_s",
         "latency_p95_ms",
     ]  # fmt: skip
-    with path.open("w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=fields)
-        writer.writeheader()
-        for row in result.summary.timeline:
-            data = row.to_json()
-            data["rejections"] = ";".join(f"{k}={v}" for k, v in row.rejections.items())
-            writer.writerow({name: csv_cell(data.get(name)) for name in fields})
+    write_csv(path, fields, (
+        {**row.to_json(), "rejections": ";".join(f"{k}={v}" for k, v in row.rejections.items())}
+        for row in result.summary.timeline
+    ))  # fmt: skip
 
 
 def _requests_csv(path: Path, result: PhasesResult) -> None:
@@ -177,32 +174,22 @@ def _requests_csv(path: Path, result: PhasesResult) -> None:
         "output_tokens", "queue_ms", "outcome",
     ]  # fmt: skip
     workload = result.workload
-    with path.open("w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=fields)
-        writer.writeheader()
-        for r in sorted(result.results, key=lambda r: r.index):
-            tpot = r.tpot_s
-            writer.writerow(
-                {
-                    "index": r.index,
-                    "phase": r.phase,
-                    "tenant": r.tenant,
-                    "request_class": r.request_class,
-                    "due_at": csv_cell(r.due_at),
-                    "started_at": csv_cell(r.started_at),
-                    "ended_at": csv_cell(r.ended_at),
-                    "status": csv_cell(r.status),
-                    "error": r.error or "",
-                    "reason": r.reason or "",
-                    "ttft_ms": "" if r.ttft_s is None else round(r.ttft_s * 1000, 3),
-                    "latency_ms": round(r.latency_s * 1000, 3),
-                    "tpot_ms": "" if tpot is None else round(tpot * 1000, 3),
-                    "input_tokens": r.input_tokens,
-                    "output_tokens": r.output_tokens,
-                    "queue_ms": csv_cell(r.queue_ms),
-                    "outcome": classify(r, workload.slo_for(r.tenant)),
-                }
-            )
+
+    def row(r: RequestResult) -> dict[str, object]:
+        """Times in ms; ``write_csv`` rounds them and leaves what is missing empty."""
+        ttft, tpot = r.ttft_s, r.tpot_s
+        return {
+            "index": r.index, "phase": r.phase, "tenant": r.tenant,
+            "request_class": r.request_class, "due_at": r.due_at, "started_at": r.started_at,
+            "ended_at": r.ended_at, "status": r.status, "error": r.error, "reason": r.reason,
+            "ttft_ms": None if ttft is None else ttft * 1000,
+            "latency_ms": r.latency_s * 1000,
+            "tpot_ms": None if tpot is None else tpot * 1000,
+            "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+            "queue_ms": r.queue_ms, "outcome": classify(r, workload.slo_for(r.tenant)),
+        }  # fmt: skip
+
+    write_csv(path, fields, (row(r) for r in sorted(result.results, key=lambda r: r.index)))
 
 
 def write_phases_report(result: PhasesResult, out_dir: Path) -> list[Path]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from proxy.loadtest.knee import Verdict
 from proxy.loadtest.levels import LevelStats
@@ -19,6 +19,7 @@ from proxy.loadtest.timeline import PhasesSummary
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["plot_staircase", "plot_timeline"]
 
@@ -58,6 +59,31 @@ def _mark_verdict(ax: Axes, verdict: Verdict) -> None:
         )
 
 
+def _finish_concurrency_plot(
+    ax: Axes,
+    verdict: Verdict,
+    x: Sequence[int],
+    title: str,
+    legend: Literal["upper left", "lower right"],
+) -> None:
+    """The verdict's lines, a log2 concurrency axis, the title and the legend."""
+    _mark_verdict(ax, verdict)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(c) for c in x])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc=legend, fontsize="small")
+
+
+def _save(fig: Figure, png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
 def plot_staircase(
     levels: Sequence[LevelStats], verdict: Verdict, latency_png: Path, throughput_png: Path
 ) -> None:
@@ -80,17 +106,9 @@ def plot_staircase(
         points = [(c, v) for c, v in points if v is not None]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
-    _mark_verdict(ax, verdict)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [str(c) for c in x])
-    ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("ms")
-    ax.set_title("Latency against concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(latency_png)
-    plt.close(fig)
+    _finish_concurrency_plot(ax, verdict, x, "Latency against concurrency", "upper left")
+    _save(fig, latency_png)
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=DPI)
     ax.plot(x, [row.output_tokens_per_s for row in rows], "o-", color="tab:blue")
@@ -100,16 +118,8 @@ def plot_staircase(
     other.set_ylabel("requests/s", color="tab:orange")
     if verdict.throughput_knee is not None:
         ax.axvline(verdict.throughput_knee, color="purple", linestyle="-.", label="throughput knee")
-    _mark_verdict(ax, verdict)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [str(c) for c in x])
-    ax.set_xlabel("concurrency (requests in flight)")
-    ax.set_title("Throughput against concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(throughput_png)
-    plt.close(fig)
+    _finish_concurrency_plot(ax, verdict, x, "Throughput against concurrency", "lower right")
+    _save(fig, throughput_png)
 
 
 def _shade_phases(ax: Axes, windows: Sequence[PhaseWindow], label: bool) -> None:
@@ -204,6 +214,4 @@ def plot_timeline(summary: PhasesSummary, windows: Sequence[PhaseWindow], png: P
     queue.set_xlabel("seconds since start")
     queue.grid(True, alpha=0.3)
 
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    _save(fig, png)

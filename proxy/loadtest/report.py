@@ -276,12 +276,18 @@ def _staircase_csv(path: Path, levels: Sequence[LevelStats]) -> None:
         "queue_p95_ms", "queue_source", "memory_ratio", "memory_source", "loop_lag_p99_ms",
         "truncated",
     ]  # fmt: skip
+    write_csv(path, fields, (
+        {**level.to_json(), "errors": ";".join(f"{k}={v}" for k, v in level.errors.items())}
+        for level in levels
+    ))  # fmt: skip
+
+
+def write_csv(path: Path, fields: Sequence[str], rows: Iterable[Mapping[str, object]]) -> None:
+    """A header, then each row's ``fields`` in order; a missing or None cell is empty."""
     with path.open("w", newline="", encoding="utf-8") as file:
         writer = csv.DictWriter(file, fieldnames=fields)
         writer.writeheader()
-        for level in levels:
-            row = level.to_json()
-            row["errors"] = ";".join(f"{k}={v}" for k, v in level.errors.items())
+        for row in rows:
             writer.writerow({name: csv_cell(row.get(name)) for name in fields})
 
 

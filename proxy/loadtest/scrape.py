@@ -28,13 +28,32 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.tasks import stop
 
-__all__ = ["MetricsSample", "MetricsSampler", "parse_metrics", "scrape_once"]
+__all__ = ["MetricsSample", "MetricsSampler", "ScrapeTarget", "parse_metrics", "scrape_once"]
 
 #: Engine KV-cache gauges (0..1), in order of preference.
 KV_CACHE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 GPU_MEMORY_METRIC = "admission_gpu_memory_used_ratio"
 #: Longest a single scrape may take; a slower one is skipped.
 SCRAPE_TIMEOUT_S = 2.0
+
+
+class ScrapeTarget:
+    """A run's target and where its engine metrics are read (both plans have one)."""
+
+    __slots__ = ()
+    url: str
+    #: ``None``: ``<url>/metrics``; ``""``: no scraping.
+    metrics_url: str | None
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+    @property
+    def scrape_url(self) -> str | None:
+        if self.metrics_url == "":
+            return None
+        return self.metrics_url or self.base_url + "/metrics"
 
 
 @dataclass(frozen=True, slots=True)

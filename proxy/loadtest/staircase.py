@@ -28,7 +28,7 @@ from proxy.loadtest.knee import DEFAULT_RULES, KneeRules, Step, Verdict, decide,
 from proxy.loadtest.levels import LevelStats, summarise_level
 from proxy.loadtest.progress import Progress
 from proxy.loadtest.results import RequestResult, RequestSpec
-from proxy.loadtest.scrape import MetricsSampler
+from proxy.loadtest.scrape import MetricsSampler, ScrapeTarget
 
 __all__ = [
     "DEFAULT_LEVELS",
@@ -53,7 +53,7 @@ LAG_WARNING_MS = 25.0
 
 
 @dataclass(frozen=True, slots=True)
-class StaircasePlan:
+class StaircasePlan(ScrapeTarget):
     """Everything that shapes a staircase run; ``metrics_url`` "" turns scraping off."""
 
     url: str
@@ -95,16 +95,6 @@ class StaircasePlan:
             raise ValueError("warmup must be >= 0")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}")
-
-    @property
-    def base_url(self) -> str:
-        return self.url.rstrip("/")
-
-    @property
-    def scrape_url(self) -> str | None:
-        if self.metrics_url == "":
-            return None
-        return self.metrics_url or self.base_url + "/metrics"
 
     def warmup_for(self, concurrency: int) -> int:
         """Requests discarded at the start of a level: by default one per worker."""

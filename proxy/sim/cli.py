@@ -23,105 +23,49 @@ __all__ = ["SimServer", "add_sim_arguments", "config_from_args", "run_sim", "sta
 DEFAULT_HOST = "127.0.0.1"
 
 
+#: Flag, type, default and help of each engine-model flag (``SimConfig``'s fields).
+_ENGINE_FLAGS: tuple[tuple[str, type, object, str], ...] = (
+    ("--slots", int, defaults.DEFAULT_SLOTS, "sequences running at once (default %(default)s)"),
+    ("--max-waiting", int, None, "waiting-queue bound; over it, 503 at once (default: unbounded)"),
+    ("--kv-cache-tokens", int, defaults.DEFAULT_KV_CACHE_TOKENS,
+     "KV-cache capacity in tokens (default %(default)s)"),
+    ("--prefill-ms-per-token", float, defaults.DEFAULT_PREFILL_MS_PER_TOKEN,
+     "prefill cost per prompt token (default %(default)s)"),
+    ("--decode-base-ms", float, defaults.DEFAULT_DECODE_BASE_MS,
+     "decode step time for an empty batch (default %(default)s)"),
+    ("--decode-per-seq-ms", float, defaults.DEFAULT_DECODE_PER_SEQ_MS,
+     "extra step time per running sequence (default %(default)s)"),
+    ("--default-max-tokens", int, defaults.DEFAULT_MAX_TOKENS,
+     "output length when a request sets none (default %(default)s)"),
+    ("--seed", int, defaults.DEFAULT_SEED,
+     "seed for generated text and fault decisions (default %(default)s)"),
+    ("--model-name", str, defaults.DEFAULT_MODEL_NAME, "model id served (default %(default)s)"),
+)  # fmt: skip
+#: The same for the fault flags (``Faults``' fields).
+_FAULT_FLAGS: tuple[tuple[str, type, object, str], ...] = (
+    ("--error-rate", float, 0.0, "fraction of requests answered with --error-status"),
+    ("--error-status", int, DEFAULT_ERROR_STATUS,
+     "status of injected errors (default %(default)s)"),
+    ("--error-retry-after-s", float, None, "Retry-After sent with injected errors"),
+    ("--hang-ms", float, 0.0, "hang before the first response byte (-1: forever)"),
+    ("--reset-after-tokens", int, None, "abort a stream's TCP connection after N tokens"),
+    ("--slow-accept-ms", float, 0.0, "delay before reading each request"),
+    ("--refuse-connections-ms", float, 0.0,
+     "refuse connections this long after start (-1: until changed)"),
+)  # fmt: skip
+
+
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)"
     )
     parser.add_argument("--port", type=int, required=True, help="port to bind (0: the OS picks)")
     engine = parser.add_argument_group("engine model")
-    engine.add_argument(
-        "--slots",
-        type=int,
-        default=defaults.DEFAULT_SLOTS,
-        help="sequences running at once (default %(default)s)",
-    )
-    engine.add_argument(
-        "--max-waiting",
-        type=int,
-        default=None,
-        help="waiting-queue bound; over it, 503 at once (default: unbounded)",
-    )
-    engine.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=defaults.DEFAULT_KV_CACHE_TOKENS,
-        help="KV-cache capacity in tokens (default %(default)s)",
-    )
-    engine.add_argument(
-        "--prefill-ms-per-token",
-        type=float,
-        default=defaults.DEFAULT_PREFILL_MS_PER_TOKEN,
-        help="prefill cost per prompt token (default %(default)s)",
-    )
-    engine.add_argument(
-        "--decode-base-ms",
-        type=float,
-        default=defaults.DEFAULT_DECODE_BASE_MS,
-        help="decode step time for an empty batch (default %(default)s)",
-    )
-    engine.add_argument(
-        "--decode-per-seq-ms",
-        type=float,
-        default=defaults.DEFAULT_DECODE_PER_SEQ_MS,
-        help="extra step time per running sequence (default %(default)s)",
-    )
-    engine.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=defaults.DEFAULT_MAX_TOKENS,
-        help="output length when a request sets none (default %(default)s)",
-    )
-    engine.add_argument(
-        "--seed",
-        type=int,
-        default=defaults.DEFAULT_SEED,
-        help="seed for generated text and fault decisions (default %(default)s)",
-    )
-    engine.add_argument(
-        "--model-name",
-        default=defaults.DEFAULT_MODEL_NAME,
-        help="model id served (default %(default)s)",
-    )
+    for flag, kind, default, text in _ENGINE_FLAGS:
+        engine.add_argument(flag, type=kind, default=default, help=text)
     faults = parser.add_argument_group("fault injection (also at runtime: POST /sim/faults)")
-    faults.add_argument(
-        "--error-rate",
-        type=float,
-        default=0.0,
-        help="fraction of requests answered with --error-status",
-    )
-    faults.add_argument(
-        "--error-status",
-        type=int,
-        default=DEFAULT_ERROR_STATUS,
-        help="status of injected errors (default %(default)s)",
-    )
-    faults.add_argument(
-        "--error-retry-after-s",
-        type=float,
-        default=None,
-        help="Retry-After sent with injected errors",
-    )
-    faults.add_argument(
-        "--hang-ms",
-        type=float,
-        default=0.0,
-        help="hang before the first response byte (-1: forever)",
-    )
-    faults.add_argument(
-        "--reset-after-tokens",
-        type=int,
-        default=None,
-        help="abort a stream's TCP connection after N tokens",
-    )
-    faults.add_argument(
-        "--slow-accept-ms", type=float, default=0.0, help="delay before reading each request"
-    )
-    faults.add_argument(
-        "--refuse-connections-ms",
-        type=float,
-        default=0.0,
-        help="refuse connections this long after start (-1: until changed)",
-    )
+    for flag, kind, default, text in _FAULT_FLAGS:
+        faults.add_argument(flag, type=kind, default=default, help=text)
 
 
 def config_from_args(ns: argparse.Namespace) -> SimConfig:

@@ -17,6 +17,7 @@ from proxy.sim.engine import SimEngine
 __all__ = ["EngineCollector", "build_registry"]
 
 LABELS = ["model_name"]
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
 
 
 class EngineCollector:
@@ -28,45 +29,26 @@ class EngineCollector:
     def collect(self) -> Iterable[Metric]:
         stats = self._engine.stats()
         labels = [self._engine.config.model_name]
-        gauges = (
-            (
-                "vllm:num_requests_running",
-                "Number of requests in model execution batches.",
-                stats.running,
-            ),
-            (
-                "vllm:num_requests_waiting",
-                "Number of requests waiting to be processed.",
-                stats.waiting,
-            ),
-            (
-                "vllm:kv_cache_usage_perc",
-                "KV-cache usage. 1 means 100 percent usage.",
-                stats.kv_cache_usage,
-            ),
-        )
-        for name, documentation, value in gauges:
-            gauge = GaugeMetricFamily(name, documentation, labels=LABELS)
-            gauge.add_metric(labels, value)
-            yield gauge
-        counters = (
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
-            (
-                "vllm:generation_tokens",
-                "Number of generation tokens processed.",
-                stats.tokens_generated,
-            ),
-            ("vllm:request_success", "Count of successfully processed requests.", stats.completed),
-            (
-                "sim:request_aborted",
-                "Requests aborted by client disconnect (not a vLLM name).",
-                stats.aborted,
-            ),
-        )
-        for name, documentation, total in counters:
-            counter = CounterMetricFamily(name, documentation, labels=LABELS)
-            counter.add_metric(labels, total)
-            yield counter
+        families: tuple[tuple[_Family, str, str, float], ...] = (
+            (GaugeMetricFamily, "vllm:num_requests_running",
+             "Number of requests in model execution batches.", stats.running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting",
+             "Number of requests waiting to be processed.", stats.waiting),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+             "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+            (CounterMetricFamily, "vllm:prompt_tokens",
+             "Number of prefill tokens processed.", stats.prompt_tokens),
+            (CounterMetricFamily, "vllm:generation_tokens",
+             "Number of generation tokens processed.", stats.tokens_generated),
+            (CounterMetricFamily, "vllm:request_success",
+             "Count of successfully processed requests.", stats.completed),
+            (CounterMetricFamily, "sim:request_aborted",
+             "Requests aborted by client disconnect (not a vLLM name).", stats.aborted),
+        )  # fmt: skip
+        for kind, name, documentation, value in families:
+            family = kind(name, documentation, labels=LABELS)
+            family.add_metric(labels, value)
+            yield family
 
 
 def build_registry(engine: SimEngine) -> CollectorRegistry:
