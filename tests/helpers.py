@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import yaml
@@ -42,3 +44,25 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> Non
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.005)
+
+
+@contextlib.contextmanager
+def handshake_never_completes() -> Iterator[int]:
+    """A loopback port whose accept backlog is full: a new connection's SYN is dropped,
+    so a client's connect times out (the connect-timeout tests' replica)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    try:
+        for _ in range(3):  # fill the backlog so the next SYN is dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(listener.getsockname())
+            fillers.append(filler)
+        yield listener.getsockname()[1]
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import socket
@@ -15,7 +14,7 @@ import aiohttp
 
 from proxy.settings import Config
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+from tests.helpers import KEY_A, KEY_B, handshake_never_completes, make_config, wait_for
 from tests.upstreams import Upstream
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
@@ -238,18 +237,7 @@ async def test_counters_return_to_zero_after_random_cancellations(
 
 async def test_connect_timeout_is_504(start_proxy: Start) -> None:
     """A replica whose accept backlog is full never completes the handshake: 504."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    try:
-        for _ in range(3):  # fill the backlog so the proxy's SYN is dropped
-            filler = socket.socket()
-            filler.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                filler.connect(("127.0.0.1", port))
-            fillers.append(filler)
+    with handshake_never_completes() as port:
         config = make_config(
             [f"http://127.0.0.1:{port}"], timeouts={"connect_ms": 200}, warmup={"requests": 0}
         )
@@ -260,10 +248,6 @@ async def test_connect_timeout_is_504(start_proxy: Start) -> None:
         assert resp.headers["X-Admission-Reason"] == "connect_timeout"
         assert 0.2 <= time.monotonic() - started < 1.5
         proxy.assert_idle()
-    finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
 
 
 async def test_client_closing_after_done_frees_the_seat_at_once(

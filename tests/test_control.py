@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
-import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,7 +21,7 @@ from proxy.settings import load_config
 from proxy.telemetry.gpu import FakeGpuProbe, GpuReading
 from proxy.telemetry.metrics import TenantLabels
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+from tests.helpers import KEY_A, KEY_B, handshake_never_completes, make_config, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -266,18 +264,7 @@ def test_tenant_labels_after_reload(
 async def test_reload_applies_the_connect_timeout(start_proxy: Start, tmp_path: Path) -> None:
     """A replica whose handshake never completes: after a reload lowers connect_ms from
     60 s to 200 ms, a new request fails with 504 connect_timeout, not its total budget."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    try:
-        for _ in range(3):  # fill the backlog so the proxy's SYN is dropped
-            filler = socket.socket()
-            filler.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                filler.connect(("127.0.0.1", port))
-            fillers.append(filler)
+    with handshake_never_completes() as port:
         path = tmp_path / "proxy.yaml"
         document: dict[str, Any] = {
             "replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}", "max_concurrency": 4}],
@@ -294,10 +281,6 @@ async def test_reload_applies_the_connect_timeout(start_proxy: Start, tmp_path: 
         assert resp.status == 504
         assert resp.headers["X-Admission-Reason"] == "connect_timeout"
         proxy.assert_idle()
-    finally:
-        for filler in fillers:
-            filler.close()
-        listener.close()
 
 
 class CountingProbe(FakeGpuProbe):
