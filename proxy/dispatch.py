@@ -332,7 +332,7 @@ class Dispatcher:
             ticket.timer.cancel()
         ticket.granted_at = now
         ticket.seat = seat
-        self.waits.started(ticket.id, ticket.tenant, seat.replica, now)
+        self.waits.started(ticket.id, ticket.tenant, seat.replica, now, ticket.model)
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)

@@ -8,7 +8,9 @@ I/O and no clock reads here: callers pass ``now``.
 
 With model pools every estimate is the pool's (``model``; ``None``: the
 whole fleet): its serving seats, its own queue and the seats its replicas
-run now. The mean seat time is the fleet's.
+run now, and its own mean seat time: a pool of a slow model (long answers,
+a big model) must not make a fast pool's waits look long, nor the other way
+round. The fleet's seat time (every pool's requests) serves ``model=None``.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class Waits:
     """
 
     __slots__ = (
-        "_flow", "_members", "_pool", "_queue_of", "_recent", "_running", "_scheduler",
-        "seat_time",
+        "_flow", "_members", "_pool", "_pool_of", "_pool_seat_times", "_queue_of", "_recent",
+        "_running", "_scheduler", "seat_time",
     )  # fmt: skip
 
     def __init__(
@@ -66,20 +68,42 @@ class Waits:
         self._flow = flow
         self._queue_of = queue_of or (lambda model: scheduler)
         self._members = members or (lambda model: None)
+        #: Every pool's seat times together (``model=None``, one implicit pool).
         self.seat_time = SeatTime()
+        #: Each model pool's own seat times, made at its first ended request.
+        self._pool_seat_times: dict[str, SeatTime] = {}
+        #: The model pool of each running request that has one.
+        self._pool_of: dict[int, str] = {}
         self._recent = RecentDispatches()
         #: When each running request got its seat, and where (for the release times).
         self._running: dict[int, tuple[float, Replica]] = {}
 
-    def started(self, ticket_id: int, tenant: str, replica: Replica, now: float) -> None:
+    def started(
+        self, ticket_id: int, tenant: str, replica: Replica, now: float, model: str | None = None
+    ) -> None:
         self._running[ticket_id] = (now, replica)
+        if model is not None:
+            self._pool_of[ticket_id] = model
         self._recent.record(tenant, now)
 
     def ended(self, ticket_id: int, held_s: float | None) -> None:
         """A seat went back; ``held_s`` is its seat time when it counts (no grace)."""
+        model = self._pool_of.pop(ticket_id, None)
         if held_s is not None:
             self.seat_time.record(held_s)
+            if model is not None:
+                pooled = self._pool_seat_times.get(model)
+                if pooled is None:
+                    pooled = self._pool_seat_times[model] = SeatTime()
+                pooled.record(held_s)
         self._running.pop(ticket_id, None)
+
+    def seat_time_of(self, model: str | None) -> SeatTime:
+        """The seat times of ``model``'s pool (``None``: every request's); a pool
+        that has finished nothing yet has none (its estimates fail open)."""
+        if model is None:
+            return self.seat_time
+        return self._pool_seat_times.get(model) or SeatTime()
 
     def forget_idle(self, now: float) -> None:
         self._recent.forget_idle(now)
@@ -99,7 +123,7 @@ class Waits:
 
         Fails open until ``MIN_DISPATCHES_TO_PREDICT`` seat times are known.
         """
-        if self.seat_time.count < MIN_DISPATCHES_TO_PREDICT:
+        if self.seat_time_of(model).count < MIN_DISPATCHES_TO_PREDICT:
             return None
         return self.estimate(tenant, priority, now, model)
 
@@ -130,7 +154,7 @@ class Waits:
         period does not change.
         """
         seats = self._seats(model)
-        mean = self.seat_time.mean_s
+        mean = self.seat_time_of(model).mean_s
         if not seats or not mean:
             return None
         return seats / mean
@@ -170,7 +194,7 @@ class Waits:
         floor = capacity / (1.0 / share + returning)
         flow = max(min(share * capacity, capacity - idle_take), floor)
         cap = self._flow(tenant).cap
-        mean = self.seat_time.mean_s
+        mean = self.seat_time_of(model).mean_s
         if cap and mean:
             flow = min(flow, cap / mean)
         return flow, max(capacity - others, floor)
@@ -211,7 +235,7 @@ class Waits:
         this is a staircase, not ``n`` over the capacity: near the budget the
         difference decides.
         """
-        mean = self.seat_time.mean_s
+        mean = self.seat_time_of(model).mean_s
         seats = self._seats(model)
         if not mean or not seats:
             return 0.0

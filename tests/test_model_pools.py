@@ -350,7 +350,7 @@ async def test_predicted_waits_are_the_pools() -> None:
     clock = FakeClock()
     dispatcher = two_pool_dispatcher(clock)
     budgets = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
-    for _ in range(15):
+    for _ in range(20):  # each pool's own seat times: 20 before it predicts
         for model in ("a", "b"):
             ticket = dispatcher.enqueue_in(
                 model, "t", "standard", 1.0, Deadline.start(clock.now(), budgets)
@@ -372,6 +372,37 @@ async def test_predicted_waits_are_the_pools() -> None:
     for ticket in held:
         if ticket.seat is not None:
             dispatcher.finish(ticket, ticket.seat)
+
+
+async def test_each_pools_waits_use_its_own_seat_time() -> None:
+    """Fake clock, pool a's requests hold a seat 1 s and pool b's 0.1 s: with each
+    pool's seat just taken, a new b ticket expects 0.1 s and a new a ticket 1 s,
+    and the Retry-After of each is its own pool's (a fleet-wide mean, 0.55 s,
+    made b's five times too long and a's half too short)."""
+    clock = FakeClock()
+    dispatcher = two_pool_dispatcher(clock)
+    budgets = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
+    for _ in range(25):
+        for model, held_s in (("a", 1.0), ("b", 0.1)):
+            ticket = dispatcher.enqueue_in(
+                model, "t", "standard", 1.0, Deadline.start(clock.now(), budgets)
+            )
+            clock.advance(held_s)
+            dispatcher.finish(ticket, ticket.seat)
+    deadline = Deadline.start(clock.now(), budgets)
+    held = [dispatcher.enqueue_in(m, "t", "standard", 1.0, deadline) for m in ("a", "b")]
+    assert all(t.seat is not None for t in held)
+    now = clock.now()
+    waits = dispatcher.waits
+    assert dispatcher.predict_wait("t", "standard", now, "b") == pytest.approx(0.1)
+    assert dispatcher.predict_wait("t", "standard", now, "a") == pytest.approx(1.0)
+    assert waits.retry_after_queue_timeout("t", "standard", now, "b") == pytest.approx(0.1)
+    assert waits.time_to_free_place("t", "standard", now, "b") == pytest.approx(0.1)
+    assert waits.time_to_free_place("t", "standard", now, "a") == pytest.approx(1.0)
+    assert waits.seat_time_of("b").mean_s == pytest.approx(0.1)
+    assert waits.seat_time_of(None).mean_s == pytest.approx(0.55)  # the fleet's, both pools
+    for ticket in held:
+        dispatcher.finish(ticket, ticket.seat)
 
 
 def affinity_dispatcher(clock: FakeClock, replicas: int = 4, seats: int = 4) -> Dispatcher:
