@@ -210,7 +210,11 @@ async def _admit(
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
     model, pool, body = _choose_pool(doc, body, tenant_config.allowed_models, runtime, record)
-    listing = route == "/v1/models" and method == "GET" and runtime.models.pooled
+    listing = (
+        (route == "/v1/models" or route.startswith("/v1/models/"))
+        and method == "GET"
+        and runtime.models.pooled
+    )
     routing = config.routing
     affinity = None
     if doc is not None and routing.policy == "prefix_affinity":

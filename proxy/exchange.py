@@ -22,11 +22,13 @@ back to decide anything.
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import unquote
 
 from aiohttp import web
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.errors import (
+    ModelNotFound,
     NoHealthyReplica,
     ProxyError,
     RetryBudgetExhausted,
@@ -156,14 +158,23 @@ class Exchange:
         return ticket
 
     def _list_models(self) -> web.Response:
-        """``GET /v1/models`` from the model table: healthy replicas' models and
-        aliases, only those the tenant may use; no seat, no replica asked."""
+        """``GET /v1/models`` (or ``/v1/models/{id}``) from the model table: healthy
+        replicas' models and aliases, only those the tenant may use; no seat, no
+        replica asked. An id outside that list is 404 ``model_not_found``."""
         runtime, record = self.runtime, self.record
         allowed = self.rules.config.tenants[self.admitted.tenant].allowed_models
         healthy = {r.name for r in runtime.pool.replicas if r.serving}
+        path = self.admitted.path_qs.partition("?")[0]
+        name = unquote(path.removeprefix("/v1/models").strip("/"))
+        if name:
+            answer = runtime.models.model_response(name, allowed, healthy)
+            if answer is None:
+                raise ModelNotFound(f"the model {name[:256]!r} does not exist")
+        else:
+            answer = runtime.models.list_response(allowed, healthy)
         record.status = 200
         headers = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
-        return web.json_response(runtime.models.list_response(allowed, healthy), headers=headers)
+        return web.json_response(answer, headers=headers)
 
     def _upstream_finished(self) -> None:
         """The replica finished: its seat goes back now, not after the client drains."""

@@ -320,8 +320,20 @@ class ModelTable:
         self, allowed: Iterable[str] | None, healthy: Container[str] | None = None
     ) -> dict[str, Any]:
         """``GET /v1/models`` for a tenant, in OpenAI's list format."""
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": OWNED_BY}
-            for name in self.models_for_tenant(allowed, healthy)
-        ]
+        data = [_model_object(name) for name in self.models_for_tenant(allowed, healthy)]
         return {"object": "list", "data": data}
+
+    def model_response(
+        self, name: str, allowed: Iterable[str] | None, healthy: Container[str] | None = None
+    ) -> dict[str, Any] | None:
+        """``GET /v1/models/{name}``: its entry of the tenant's list; ``None`` when the
+        list has no such name (unknown, not served now, or not allowed: all one 404,
+        so a tenant cannot probe which models exist beyond its own)."""
+        if name not in self.models_for_tenant(allowed, healthy):
+            return None
+        return _model_object(name)
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    """OpenAI's model object, as ``GET /v1/models`` lists it."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": OWNED_BY}

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import openai
 import pytest
 import yaml
 from aiohttp import web
@@ -206,6 +207,40 @@ async def test_models_listing_is_the_union_filtered_per_tenant(
     proxy.runtime.pool.retire("r1")
     resp = await proxy.client.get("/v1/models", headers=AUTH_A)
     assert [m["id"] for m in (await resp.json())["data"]] == ["llama", "mini"]
+    proxy.assert_idle()
+
+
+async def test_one_model_is_answered_by_the_proxy_within_the_tenants_list(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """GET /v1/models/{id} is answered by the proxy with OpenAI's model object for a
+    name in the tenant's list (an alias included), else 404 model_not_found with
+    the error body: unknown, or served but not allowed. No replica is asked; the
+    openai client's models.retrieve reads the answer."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    for name in ("llama", "mini", "qwen"):
+        resp = await proxy.client.get(f"/v1/models/{name}", headers=AUTH_A)
+        assert resp.status == 200 and resp.headers["X-Request-Id"]
+        assert await resp.json() == {
+            "id": name, "object": "model", "created": 0, "owned_by": "admission-proxy"
+        }  # fmt: skip
+    for headers, name in ((AUTH_A, "gpt-9"), (AUTH_B, "llama"), (AUTH_B, "mini")):
+        resp = await proxy.client.get(
+            f"/v1/models/{name}", headers={**headers, "X-Request-Id": "get-1"}
+        )
+        assert resp.status == 404, name
+        assert resp.headers["X-Admission-Reason"] == "model_not_found"
+        assert resp.headers["X-Request-Id"] == "get-1"
+        error = (await resp.json())["error"]
+        assert error["code"] == "model_not_found" and name in error["message"]
+    async with openai.AsyncOpenAI(
+        base_url=str(proxy.client.make_url("/v1")), api_key=KEY_B, max_retries=0
+    ) as client:
+        assert (await client.models.retrieve("qwen")).id == "qwen"
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("llama")
+    assert llama.listed == 0 and qwen.listed == 0
+    assert llama.bodies == [] and qwen.bodies == []
     proxy.assert_idle()
 
 
