@@ -448,6 +448,20 @@ async def run_once(
             counters = [await engine_counters(session, e, readings) for e in running.engines]
         placements = placements_from_log(proxy.stdout_path, tag)
     result = summarise(outcomes, counters, placements)
+    # Each request, for reading the tail: where it ran and what the engine reused.
+    result["outcomes"] = [
+        {
+            "session": o.session,
+            "turn": o.turn,
+            "due_s": round(o.due_s, 3),
+            "ttft_ms": None if o.ttft_s is None else round(o.ttft_s * 1000.0, 1),
+            "replica": placements.get(f"{tag}-s{o.session}-t{o.turn}"),
+            "prompt_tokens": o.prompt_tokens,
+            "cached_tokens": o.cached_tokens,
+            "reason": o.reason,
+        }
+        for o in sorted(outcomes, key=lambda o: o.due_s)
+    ]
     result["missing_readings"] = [str(m) for m in readings.missing]
     return result
 
