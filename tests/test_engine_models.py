@@ -95,6 +95,14 @@ def test_engine_answers_under_its_alias(aliased_pair: list[LlamaServer]) -> None
         assert b'"model":"qwen2.5-7b"' in response.read().replace(b" ", b"")
 
 
+async def _wait_warmed(proxy: ProxyUnderTest) -> None:
+    """Both models discovered and both replicas serving: their warm-up requests are done."""
+    table, replicas = proxy.runtime.models, proxy.runtime.pool.replicas
+    await wait_for(
+        lambda: len(table.served_models()) == 2 and all(r.serving for r in replicas), 30.0
+    )
+
+
 async def test_the_proxy_routes_by_model_to_real_engines(
     aliased_pair: list[LlamaServer], start_proxy: Start
 ) -> None:
@@ -111,8 +119,8 @@ async def test_the_proxy_routes_by_model_to_real_engines(
         "model_aliases": {"gpt-4o-mini": "llama-3.1-8b"},
     }
     proxy = await start_proxy(parse_config(yaml.safe_dump(doc)), access_log=log)
-    table = proxy.runtime.models
-    await wait_for(lambda: len(table.served_models()) == 2, timeout_s=30.0)
+    # Discovered is not yet serving: /v1/models lists a replica once its warm-up is done.
+    await _wait_warmed(proxy)
     auth = {"Authorization": f"Bearer {KEY_A}"}
     listing = await (await proxy.client.get("/v1/models", headers=auth)).json()
     assert [m["id"] for m in listing["data"]] == ["gpt-4o-mini", "llama-3.1-8b", "qwen2.5-7b"]
@@ -148,14 +156,6 @@ def _pooled_config(servers: list[LlamaServer]) -> dict[str, Any]:
         },
         "budgets": {"queue_ms": 60_000, "first_byte_ms": 60_000, "total_ms": 120_000},
     }
-
-
-async def _wait_warmed(proxy: ProxyUnderTest) -> None:
-    """Both models discovered and both replicas serving: their warm-up requests are done."""
-    table, replicas = proxy.runtime.models, proxy.runtime.pool.replicas
-    await wait_for(
-        lambda: len(table.served_models()) == 2 and all(r.serving for r in replicas), 30.0
-    )
 
 
 def _engine_work(server: LlamaServer) -> dict[str, float]:
