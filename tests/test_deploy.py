@@ -65,6 +65,13 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "admission_config_reloads_total": ("counter", frozenset({"result"})),
     "admission_model_requests_total": ("counter", frozenset({"model", "outcome"})),
     "admission_model_queue_depth": ("gauge", frozenset({"model"})),
+    "admission_budget_pressure": ("gauge", frozenset({"priority"})),
+    "admission_observed_refusals_total": (
+        "counter", frozenset({"tenant", "priority", "reason"}),
+    ),
+    "admission_degraded_requests_total": (
+        "counter", frozenset({"tenant", "priority", "degradation"}),
+    ),
 }
 #: Labels Prometheus adds to every scraped series, and the histogram bucket label.
 TARGET_LABELS = frozenset({"instance", "job"})
