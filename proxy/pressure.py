@@ -16,8 +16,8 @@ take a growing share of the budget, well before queues time out.
 
 The window is 30 one-second slices of fixed ratio buckets (0.01 wide, and
 one bucket for "used up"), with running totals, so recording is O(1) and a
-query walks 101 buckets whatever the traffic; the p95 is interpolated in its
-bucket, accurate to 0.01. No I/O and no clock reads but the injected one.
+query walks 101 buckets whatever the traffic; the p95 is its bucket's lower
+bound (rounded down to 0.01: a class that never waits reads exactly 0). No I/O and no clock reads but the injected one.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class _Window:
             if seen + count >= rank:
                 if i == BUCKETS:
                     return 1.0
-                return (i + (rank - seen) / count) / BUCKETS
+                return i / BUCKETS
             seen += count
         return 1.0  # not reached: the counts add up to n
 
