@@ -17,7 +17,8 @@ take a growing share of the budget, well before queues time out.
 The window is 30 one-second slices of fixed ratio buckets (0.01 wide, and
 one bucket for "used up"), with running totals, so recording is O(1) and a
 query walks 101 buckets whatever the traffic; the p95 is its bucket's lower
-bound (rounded down to 0.01: a class that never waits reads exactly 0). No I/O and no clock reads but the injected one.
+bound (rounded down to 0.01: a class that never waits reads exactly 0). No
+I/O and no clock reads but the injected one.
 """
 
 from __future__ import annotations

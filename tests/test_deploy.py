@@ -67,10 +67,12 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "admission_model_queue_depth": ("gauge", frozenset({"model"})),
     "admission_budget_pressure": ("gauge", frozenset({"priority"})),
     "admission_observed_refusals_total": (
-        "counter", frozenset({"tenant", "priority", "reason"}),
+        "counter",
+        frozenset({"tenant", "priority", "reason"}),
     ),
     "admission_degraded_requests_total": (
-        "counter", frozenset({"tenant", "priority", "degradation"}),
+        "counter",
+        frozenset({"tenant", "priority", "degradation"}),
     ),
 }
 #: Labels Prometheus adds to every scraped series, and the histogram bucket label.
