@@ -13,9 +13,11 @@ Tenants: ``chat`` (interactive, short answers: 8-24 tokens) and ``bulk``
 measured first: batch-shaped requests, closed loop, 4 per replica, straight
 at the replicas. Then, per configuration, the same traffic (Poisson arrivals
 seeded by flow name: identical in both runs): batch at 3x that capacity,
-interactive at 30% of it. *off*: ``max_tokens_cap: null``; *on*:
-``max_tokens_cap: 32, at: 0.8, classes: [batch]``. The two runs follow each
-other in one process, on one fleet.
+interactive at 1x that rate (its answers are a tenth as long: about a tenth
+of the seats). *off*: ``max_tokens_cap: null``; *on*: ``max_tokens_cap: 32,
+at: 0.8, classes: [batch]``. The two runs follow each other in one process,
+on one fleet. Figures are given for the whole run and for the requests due
+from 10 s on (the flood built up).
 
 **Figures** (per configuration): batch requests served in full; batch
 goodput: output tokens of batch requests served within the batch SLO
@@ -62,7 +64,10 @@ SIM_ARGS = ("--slots", "8", "--decode-base-ms", "10", "--decode-per-seq-ms", "1.
 BATCH_SHAPE = Shape(prompt_words=(20, 80), max_tokens=(96, 160))
 CHAT_SHAPE = Shape(prompt_words=(20, 80), max_tokens=(8, 24))
 FLOOD_FACTOR = 3.0
-CHAT_LOAD = 0.3
+CHAT_LOAD = 1.0
+#: Figures are also given for requests due from here on: the flood built up,
+#: batch's pressure (30 s window) past ``at`` in the "on" run.
+STEADY_FROM_S = 10.0
 CAP = 32
 AT = 0.8
 BATCH_TTFT_SLO_S, BATCH_TOTAL_SLO_S = 6.0, 15.0
@@ -141,8 +146,11 @@ def _within_slo(result: Result) -> bool:
     )  # fmt: skip
 
 
-def figures(run: Run) -> dict[str, Any]:
-    batch, chat = run.results["bulk"], run.results["chat"]
+def figures(run: Run, since_s: float = 0.0) -> dict[str, Any]:
+    """The run's figures over the requests due from ``since_s`` on."""
+    batch = [r for r in run.results["bulk"] if r.due_s >= since_s]
+    chat = [r for r in run.results["chat"] if r.due_s >= since_s]
+    seconds = run.seconds - since_s
     served = [r for r in batch if r.ok]
     good = [r for r in served if _within_slo(r)]
     good_tokens = sum(int(run.log.get(r.request_id, {}).get("output_tokens") or 0) for r in good)
@@ -151,7 +159,7 @@ def figures(run: Run) -> dict[str, Any]:
     return {
         "batch_sent": len(batch),
         "batch_served": len(served),
-        "batch_goodput_tokens_per_s": round(good_tokens / run.seconds, 1),
+        "batch_goodput_tokens_per_s": round(good_tokens / seconds, 1),
         "batch_good_requests": len(good),
         "batch_degraded_share": round(degraded / max(1, len(batch)), 3),
         "batch_refusals": dict(Counter(r.reason for r in batch if not r.ok)),
@@ -229,7 +237,10 @@ async def bench(seconds: float, workdir: Path) -> dict[str, Any]:
                     fleet, control, load, label, proxy_config(urls, cap), capacity, seconds
                 )
                 runs[label] = figures(run)
+                runs[f"{label}_steady"] = figures(run, STEADY_FROM_S)
                 print(f"  {label}: {json.dumps(runs[label])}", flush=True)
+                print(f"  {label}, due from {STEADY_FROM_S:.0f} s: "
+                      f"{json.dumps(runs[f'{label}_steady'])}", flush=True)  # fmt: skip
     return {"capacity_batch_rps": round(capacity, 2), "runs": runs}
 
 
@@ -241,11 +252,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-degradation-") as workdir:
         result = asyncio.run(bench(args.seconds, Path(workdir)))
     runs = result["runs"]
-    print(table(runs["off"], runs["on"]))
+    print("whole run\n" + table(runs["off"], runs["on"]))
+    print(f"\nrequests due from {STEADY_FROM_S:.0f} s on\n"
+          + table(runs["off_steady"], runs["on_steady"]))  # fmt: skip
     result.update(
         seconds=args.seconds, revision=revision(), machine=machine("bench.degradation"),
         setup={"replicas": REPLICAS, "seats": SEATS, "sim_args": list(SIM_ARGS), "cap": CAP,
-               "at": AT, "flood_factor": FLOOD_FACTOR, "chat_load": CHAT_LOAD},
+               "at": AT, "flood_factor": FLOOD_FACTOR, "chat_load": CHAT_LOAD,
+               "steady_from_s": STEADY_FROM_S},
     )  # fmt: skip
     write_results(args.output, result)
     return 0

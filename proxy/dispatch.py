@@ -29,7 +29,7 @@ from proxy import admission
 from proxy.admission import TenantLimits
 from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.errors import ProxyError, ShuttingDown
+from proxy.errors import PredictedWaitExceedsBudget, ProxyError, QueueTimeout, ShuttingDown
 from proxy.estimators import RecentUsage
 from proxy.observe import Overflow, overflow_replica, would
 from proxy.pools import PoolQueues, PoolSeats
@@ -41,6 +41,8 @@ from proxy.waits import Flow, Waits
 
 __all__ = ["Dispatcher", "TenantLimits"]
 
+#: The observed refusal that counts in the class's budget pressure (as in enforce mode).
+OBSERVED_OVERLOAD = "would_" + PredictedWaitExceedsBudget.reason
 #: Grants between sweeps of tenants whose recent usage decayed to nothing.
 USAGE_SWEEP_EVERY = 4096
 
@@ -212,7 +214,8 @@ class Dispatcher:
                 self.predict_wait(tenant, priority, now, model), expires_at - now
             )
         if refusal is not None:
-            self.pressure.refused(priority)
+            if isinstance(refusal, PredictedWaitExceedsBudget):
+                self.pressure.refused(priority)
             raise refusal
         loop = asyncio.get_running_loop()
         ticket = Ticket(
@@ -367,7 +370,7 @@ class Dispatcher:
             ticket.timer.cancel()
         ticket.granted_at = now
         ticket.seat = seat
-        if ticket.observed is None:  # an observed refusal counted as one already
+        if ticket.observed != OBSERVED_OVERLOAD:  # counted as a refusal already
             self.pressure.waited(ticket.priority, now - ticket.enqueued_at,
                                  ticket.expires_at - ticket.enqueued_at)  # fmt: skip
         self.waits.started(ticket.id, ticket.tenant, seat.replica, now)
@@ -435,6 +438,7 @@ class Dispatcher:
         ticket = Ticket(tenant, priority, cost, now, expires_at, model=model, affinity=affinity)
         if refusal is not None:
             ticket.observed = would(refusal.reason)
+        if isinstance(refusal, PredictedWaitExceedsBudget):
             self.pressure.refused(priority)
         self._overflow.started(ticket.id, tenant)
         self._grant(ticket, self.pool.lease(replica), now)
@@ -463,14 +467,16 @@ class Dispatcher:
 
     def _expiry(self, ticket: Ticket, now: float) -> ProxyError:
         tenant, priority, model = ticket.tenant, ticket.priority, ticket.model
-        self.pressure.refused(priority)
-        return admission.expiry(
+        error = admission.expiry(
             tenant,
             now - ticket.enqueued_at,
             held_by_cap=self._at_cap(tenant) and self.seats.free(model) is not None,
             free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now, model),
             wait_s=lambda: self.waits.retry_after_queue_timeout(tenant, priority, now, model),
         )
+        if isinstance(error, QueueTimeout):  # not its own cap: the fleet had no seat in time
+            self.pressure.refused(priority)
+        return error
 
     def _fail(self, ticket: Ticket, error: Exception) -> None:
         if ticket.timer is not None:

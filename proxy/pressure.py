@@ -3,12 +3,15 @@
 ``admission_budget_pressure{priority}`` is the p95, over the last 30 s, of
 each queue wait divided by the queue budget the request was admitted under
 (its tenant's merged ``budgets.queue_ms``, clipped by its total): 0 when
-nobody waits, 1 when the budget is used up. A request refused at the queue
-(``tenant_queue_full``, ``tenant_concurrency``, ``predicted_wait_exceeds_budget``)
-or expired in it counts as 1: the budget would not have been enough, and
-predictive refusals otherwise keep the waits themselves below the budget
-while the class is overloaded. A client that leaves while queued is not
-counted (its wait says nothing about the budget).
+nobody waits, 1 when the budget is used up. A request refused for its
+predicted wait (``predicted_wait_exceeds_budget``) or expired in the queue
+without a free seat (``queue_timeout``) counts as 1: the fleet could not
+serve it within the budget, and predictive refusals otherwise keep the waits
+themselves below the budget exactly while the class is overloaded. Refusals
+for a tenant's own limits (``tenant_queue_full``, ``tenant_concurrency``) are
+not counted: they say nothing about the fleet's capacity, and one tenant
+bursting must not scale it. A client that leaves while queued is not
+counted either (its wait says nothing about the budget).
 
 It is the autoscaling signal (docs/DEPLOYMENT.md) and the trigger of
 ``overload.max_tokens_cap`` (``degrade.py``): it rises as soon as waits

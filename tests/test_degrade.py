@@ -8,6 +8,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,28 +61,32 @@ def test_cap_max_tokens_by_route(
 
 
 def _config(upstream_url: str, *, cap: int | None = CAP, at: float = 0.8) -> Any:
-    """One replica; tenant a interactive, tenant b batch, each allowed one request and no
-    queue, so a second concurrent request of either is refused: pressure 1 in its class."""
+    """One seat; tenant a interactive, tenant b batch; a queue budget of 100 ms, so a
+    request that finds the seat held times out in the queue: pressure 1 in its class."""
     tenants = {
-        "a": {"api_keys": [KEY_A], "priority": "interactive", "max_concurrency": 1,
-              "queue_capacity": 0},
-        "b": {"api_keys": [KEY_B], "priority": "batch", "max_concurrency": 1,
-              "queue_capacity": 0},
-    }  # fmt: skip
+        "a": {"api_keys": [KEY_A], "priority": "interactive"},
+        "b": {"api_keys": [KEY_B], "priority": "batch"},
+    }
     overload = {"max_tokens_cap": cap, "at": at, "classes": ["batch"]}
-    return make_config([upstream_url], seats=4, tenants=tenants, overload=overload)
+    budgets = {"queue_ms": 100, "first_byte_ms": 10000, "total_ms": 60000}
+    return make_config([upstream_url], seats=1, tenants=tenants, overload=overload, budgets=budgets)
 
 
-async def _refuse_one(proxy: ProxyUnderTest, upstream: Upstream, key: str) -> None:
-    """Hold the tenant's one place with a slow request and have a second one refused."""
+async def _time_out_one(
+    proxy: ProxyUnderTest, upstream: Upstream, key: str
+) -> tuple[aiohttp.ClientResponse, aiohttp.ClientResponse]:
+    """Hold the one seat with a slow request; a second one times out in the queue. Returns
+    both answers (slow, refused)."""
     auth = {"Authorization": f"Bearer {key}"}
     before = upstream.active
     slow = asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 1500}, headers=auth))
     await wait_for(lambda: upstream.active > before)
     refused = await proxy.client.post(CHAT, json={}, headers=auth)
-    assert refused.status == 429
-    assert refused.headers["X-Admission-Reason"] == "tenant_concurrency"
-    assert (await slow).status == 200
+    assert refused.status == 503
+    assert refused.headers["X-Admission-Reason"] == "queue_timeout"
+    answer = await slow
+    assert answer.status == 200
+    return answer, refused
 
 
 def _degraded_counts(text: str) -> dict[str, float]:
@@ -105,8 +110,8 @@ def _pressure(text: str) -> dict[str, float]:
 async def test_a_listed_class_is_degraded_only_above_the_threshold(
     start_proxy: Start, upstream_url: str, upstream_state: Upstream
 ) -> None:
-    """Batch under pressure 0: its request is untouched. After one refusal in two (p95 =
-    1 > 0.8) its next request asks the replica for the cap: the engine answers with that
+    """Batch under pressure 0: its request is untouched. After one queue timeout in three
+    (p95 = 1 > 0.8) its next request asks the replica for the cap: the engine answers with that
     many tokens, the client sees X-Admission-Degraded, the access line and the counter
     say so. Interactive, not listed, is never degraded even at pressure 1."""
     log = io.StringIO()
@@ -117,8 +122,8 @@ async def test_a_listed_class_is_degraded_only_above_the_threshold(
     assert calm.status == 200 and "X-Admission-Degraded" not in calm.headers
     assert (await calm.json())["usage"]["completion_tokens"] == 5
 
-    await _refuse_one(proxy, upstream_state, KEY_B)
-    await _refuse_one(proxy, upstream_state, KEY_A)
+    await _time_out_one(proxy, upstream_state, KEY_B)
+    await _time_out_one(proxy, upstream_state, KEY_A)
     metrics = await (await proxy.client.get("/metrics")).text()
     assert _pressure(metrics)["batch"] == 1.0 and _pressure(metrics)["interactive"] == 1.0
 
@@ -147,13 +152,13 @@ async def test_a_listed_class_is_degraded_only_above_the_threshold(
 async def test_below_the_threshold_or_without_a_cap_nothing_is_degraded(
     start_proxy: Start, upstream_url: str, upstream_state: Upstream
 ) -> None:
-    """One refusal among 30 quick batch requests keeps the p95 at 0 (< at): no degradation;
+    """One queue timeout among 32 batch requests keeps the p95 at 0 (< at): no degradation;
     and with max_tokens_cap null even pressure 1 changes no request."""
     proxy = await start_proxy(_config(upstream_url, at=0.5))
     batch = {"Authorization": f"Bearer {KEY_B}"}
     for _ in range(30):
         assert (await proxy.client.post(CHAT, json={}, headers=batch)).status == 200
-    await _refuse_one(proxy, upstream_state, KEY_B)
+    await _time_out_one(proxy, upstream_state, KEY_B)
     metrics = await (await proxy.client.get("/metrics")).text()
     assert _pressure(metrics)["batch"] == 0.0
     answer = await proxy.client.post(CHAT, json={"max_tokens": 5}, headers=batch)
@@ -161,7 +166,7 @@ async def test_below_the_threshold_or_without_a_cap_nothing_is_degraded(
     assert (await answer.json())["usage"]["completion_tokens"] == 5
 
     off = await start_proxy(_config(upstream_url, cap=None))
-    await _refuse_one(off, upstream_state, KEY_B)
+    await _time_out_one(off, upstream_state, KEY_B)
     answer = await off.client.post(CHAT, json={"max_tokens": 5}, headers=batch)
     assert "X-Admission-Degraded" not in answer.headers
     assert (await answer.json())["usage"]["completion_tokens"] == 5
@@ -171,17 +176,37 @@ async def test_below_the_threshold_or_without_a_cap_nothing_is_degraded(
 async def test_a_degraded_request_refused_later_still_says_so(
     start_proxy: Start, upstream_url: str, upstream_state: Upstream
 ) -> None:
-    """Degrading does not bypass the queue checks: a degraded request refused at its cap
-    carries X-Admission-Degraded on the error answer too."""
+    """Degrading does not bypass the queue: a degraded request that times out in the
+    queue carries X-Admission-Degraded on the error answer too."""
     proxy = await start_proxy(_config(upstream_url))
-    await _refuse_one(proxy, upstream_state, KEY_B)
-    batch = {"Authorization": f"Bearer {KEY_B}"}
-    slow = asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 1500}, headers=batch))
+    await _time_out_one(proxy, upstream_state, KEY_B)
+    answer, refused = await _time_out_one(proxy, upstream_state, KEY_B)  # both degraded now
+    assert answer.headers["X-Admission-Degraded"] == "max_tokens"
+    assert refused.status == 503 and refused.headers["X-Admission-Degraded"] == "max_tokens"
+    later = await proxy.client.post(CHAT, json={}, headers={"Authorization": f"Bearer {KEY_B}"})
+    assert later.status == 200 and later.headers["X-Admission-Degraded"] == "max_tokens"
+
+
+async def test_tenant_caps_and_full_queues_do_not_raise_the_class_pressure(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """A tenant refused for its own cap says nothing about the fleet's capacity: the
+    class's pressure stays 0 and nobody is degraded."""
+    tenants = {"b": {"api_keys": [KEY_B], "priority": "batch", "max_concurrency": 1,
+                     "queue_capacity": 0}}  # fmt: skip
+    config = make_config([upstream_url], seats=4, tenants=tenants,
+                         overload={"max_tokens_cap": CAP})  # fmt: skip
+    proxy = await start_proxy(config)
+    auth = {"Authorization": f"Bearer {KEY_B}"}
+    slow = asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 1500}, headers=auth))
     await wait_for(lambda: upstream_state.active > 0)
-    refused = await proxy.client.post(CHAT, json={}, headers=batch)
-    assert refused.status == 429
-    assert refused.headers["X-Admission-Degraded"] == "max_tokens"
-    assert (await slow).headers["X-Admission-Degraded"] == "max_tokens"
+    for _ in range(3):
+        refused = await proxy.client.post(CHAT, json={}, headers=auth)
+        assert refused.headers["X-Admission-Reason"] == "tenant_concurrency"
+    assert (await slow).status == 200
+    assert _pressure(await (await proxy.client.get("/metrics")).text())["batch"] == 0.0
+    answer = await proxy.client.post(CHAT, json={"max_tokens": 5}, headers=auth)
+    assert "X-Admission-Degraded" not in answer.headers
 
 
 def test_overload_classes_must_be_configured_when_a_cap_is_set() -> None:

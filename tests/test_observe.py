@@ -69,7 +69,7 @@ async def test_observe_forwards_everything_and_names_queue_full() -> None:
 async def test_observe_names_the_tenant_cap_and_the_predicted_wait() -> None:
     """queue_capacity 0 at its cap: would_tenant_concurrency. After 20 seat times of 2 s on
     one seat, a request with a 1 s queue budget: would_predicted_wait_exceeds_budget (the
-    same request enforcing is refused)."""
+    same request enforcing is refused; both count 1 in the class's pressure)."""
     clock = FakeClock()
     d = _dispatcher(clock, TenantLimits(max_concurrency=1, queue_capacity=0))
     d.set_observing(True)
@@ -87,9 +87,13 @@ async def test_observe_names_the_tenant_cap_and_the_predicted_wait() -> None:
     busy = _enqueue(d, clock)
     with pytest.raises(PredictedWaitExceedsBudget):
         _enqueue(d, clock)
+    window = d.pressure._windows["standard"]
+    assert window.totals[-1] == 1  # the refusal counts 1
+    samples = sum(window.totals)
     d.set_observing(True)
     observed = _enqueue(d, clock)
     assert observed.observed == "would_predicted_wait_exceeds_budget"
+    assert (window.totals[-1], sum(window.totals)) == (2, samples + 1)  # its would_ form too
     assert observed.seat is not None and d.pool.total_inflight() == 2
     d.finish(observed, observed.seat)
     d.finish(busy, busy.seat)
