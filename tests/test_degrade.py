@@ -218,3 +218,41 @@ def test_overload_classes_must_be_configured_when_a_cap_is_set() -> None:
     assert [i.path for i in info.value.issues] == ["overload.classes[0]"]
     config = make_config(["http://127.0.0.1:1"], overload={"classes": ["bulk"]})
     assert config.overload.max_tokens_cap is None
+
+
+async def test_the_simulated_engine_generates_the_cap(start_proxy: Start) -> None:
+    """Against the simulated replica, through the OpenAI client: a batch request held back
+    by a long one times out in the queue, and from then on a batch request asking for 400
+    tokens, or for none (the engine's default is 64), is generated with the cap;
+    interactive keeps its 40."""
+    import openai
+
+    from proxy.sim import SimConfig, start_sim
+
+    sim = await start_sim(SimConfig(slots=4, decode_base_ms=10.0, decode_per_seq_ms=0.0))
+    try:
+        proxy = await start_proxy(_config(sim.url))
+        headers = {"Authorization": f"Bearer {KEY_B}"}
+        long = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 150}
+        held = asyncio.ensure_future(proxy.client.post(CHAT, json=long, headers=headers))
+        await wait_for(lambda: proxy.runtime.pool.total_inflight() == 1)
+        refused = await proxy.client.post(CHAT, json=long, headers=headers)
+        assert refused.headers["X-Admission-Reason"] == "queue_timeout"
+        assert (await held).status == 200
+        messages: Any = [{"role": "user", "content": "hello there"}]
+        for key, priority, asked, expected in (
+            (KEY_B, "batch", 400, CAP), (KEY_B, "batch", None, CAP), (KEY_A, "interactive", 40, 40),
+        ):  # fmt: skip
+            async with openai.AsyncOpenAI(
+                base_url=proxy.url + "/v1", api_key=key, max_retries=0
+            ) as client:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="sim-model", messages=messages, max_tokens=asked or openai.NOT_GIVEN
+                )
+            reply = raw.parse()
+            assert reply.usage is not None and reply.usage.completion_tokens == expected, priority
+            degraded = raw.headers.get("X-Admission-Degraded")
+            assert degraded == ("max_tokens" if priority == "batch" else None)
+        proxy.assert_idle()
+    finally:
+        await sim.close()
