@@ -247,7 +247,7 @@ async def test_the_simulated_engine_generates_the_cap(start_proxy: Start) -> Non
                 base_url=proxy.url + "/v1", api_key=key, max_retries=0
             ) as client:
                 raw = await client.chat.completions.with_raw_response.create(
-                    model="sim-model", messages=messages, max_tokens=asked or openai.NOT_GIVEN
+                    model="sim-model", messages=messages, max_tokens=asked or openai.omit
                 )
             reply = raw.parse()
             assert reply.usage is not None and reply.usage.completion_tokens == expected, priority
