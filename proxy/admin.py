@@ -23,20 +23,22 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.config_history import ConfigHistory
 from proxy.entrance import bearer_token, error_answer, request_id_of
 from proxy.errors import (
     BadRequest,
     InternalError,
     MethodNotAllowed,
+    NoPreviousConfig,
     NotFound,
     ProxyError,
     Unauthenticated,
 )
-from proxy.reload import RELOADER
+from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime
-from proxy.settings import dump_effective_config
+from proxy.settings import ConfigError, dump_effective_config
 from proxy.telemetry.history import HISTORY
-from proxy.telemetry.metrics import StateCollector, StateSnapshot
+from proxy.telemetry.metrics import PressureCollector, StateCollector, StateSnapshot
 from proxy.ui import add_ui_routes
 
 log = structlog.get_logger(__name__)
@@ -47,6 +49,7 @@ ADMIN_METHODS: dict[str, tuple[str, ...]] = {
     "state": ("GET",),
     "history": ("GET",),
     "reload": ("POST",),
+    "rollback": ("POST",),
 }
 REPLICA_ACTIONS = ("drain", "undrain")
 
@@ -138,6 +141,9 @@ async def admin(request: web.Request) -> web.StreamResponse:
         raise MethodNotAllowed("this admin path does not serve that method", allow=methods)
     if request.method == "GET" and action == "config":
         text = dump_effective_config(runtime.rules.config, mask_secrets=True)
+        reloader = request.app[RELOADER]
+        if reloader is not None:
+            text = history_comment(reloader.history) + text
         return web.Response(text=text, content_type="application/yaml")
     if request.method == "GET" and action == "state":
         return web.json_response(admin_state(runtime))
@@ -159,6 +165,8 @@ async def admin(request: web.Request) -> web.StreamResponse:
             return web.json_response({"result": "ok"})
         errors = [{"path": i.path, "message": i.message} for i in result.issues]
         return web.json_response({"result": "invalid", "errors": errors}, status=422)
+    if request.method == "POST" and action == "rollback":
+        return await rollback(request.app[RELOADER])
     parts = action.split("/")
     if request.method == "POST" and len(parts) == 3 and parts[0] == "replicas":
         replica = runtime.pool.get(parts[1])
@@ -169,6 +177,34 @@ async def admin(request: web.Request) -> web.StreamResponse:
             runtime.dispatcher.pump()
         return web.json_response({"replica": replica.name, "draining": replica.draining})
     raise NotFound("no such admin path")
+
+
+def history_comment(history: ConfigHistory) -> str:
+    """The config history as YAML comments above the dump (which still loads)."""
+    lines = ["# config_history, newest first (POST /admin/rollback applies the second):"]
+    for i, entry in enumerate(history.describe()):
+        running = " (running)" if i == 0 else ""
+        lines.append(f"#   sha256:{entry['sha256']} applied {entry['applied_at']}{running}")
+    return "\n".join(lines) + "\n"
+
+
+async def rollback(reloader: Reloader | None) -> web.Response:
+    """``POST /admin/rollback``: the previous good config runs again, and which it is."""
+    if reloader is None:
+        raise NoPreviousConfig("started without a config file: there is no config history")
+    try:
+        running, replaced = await reloader.rollback()
+    except ConfigError as exc:  # a TLS file of the old config changed or vanished since
+        errors = [{"path": i.path, "message": i.message} for i in exc.issues]
+        return web.json_response({"result": "invalid", "errors": errors}, status=422)
+    return web.json_response(
+        {
+            "result": "ok",
+            "running": running.describe(),
+            "replaced": replaced.describe(),
+            "history": reloader.history.describe(),
+        }
+    )
 
 
 def reserved_path(handler: ReservedHandler, methods: tuple[str, ...] | None) -> ReservedHandler:
@@ -277,6 +313,11 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
 def add_admin_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
     runtime.telemetry.metrics.registry.register(StateCollector(lambda: state_snapshot(runtime)))
+    runtime.telemetry.metrics.registry.register(
+        PressureCollector(
+            lambda: runtime.dispatcher.pressure.by_class(runtime.rules.config.priorities)
+        )
+    )
     get = ("GET", "HEAD")
     app.router.add_route("*", "/healthz", reserved_path(healthz, get))
     app.router.add_route("*", "/readyz", reserved_path(readyz, get))

@@ -92,3 +92,5 @@ class Admitted:
     listing: bool = False
     #: ``routing.policy: prefix_affinity``: the key that picks the replica (a hash only).
     affinity: int | None = None
+    #: ``overload``: what was degraded (``max_tokens``): the answer says so in a header.
+    degraded: str | None = None

@@ -99,6 +99,7 @@ def build_runtime(
     dispatcher = Dispatcher(
         pool, scheduler, clock, rules.tenant_limits(), predictive_rejection=predictive_rejection
     )
+    dispatcher.set_observing(config.mode == "observe")
     quotas = EntranceQuotas(clock)
     quotas.configure(rules.rate_limits())
     telemetry = Telemetry(

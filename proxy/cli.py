@@ -2,7 +2,7 @@
 
 admission-proxy serve --config PATH [--host H] [--port P]
 admission-proxy sim --port P [--slots N] [--seed S] [...]
-admission-proxy demo [--duration S]
+admission-proxy demo [--duration S] [--config PATH] [--mode enforce|observe]
 admission-proxy check-config PATH
 """
 
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="two simulated replicas, the proxy and mixed traffic")
     demo.add_argument("--duration", type=float, default=20.0, help="seconds of traffic")
     demo.add_argument("--config", help="demo config (default: config/demo.yaml)")
+    demo.add_argument("--mode", choices=["enforce", "observe"], help="override the config's mode")
 
     check = sub.add_parser("check-config", help="validate a config and print it in full")
     check.add_argument("path")
@@ -94,5 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from proxy.demo import run_demo
 
-        return run_async(run_demo(duration_s=args.duration, config_path=args.config))
+        return run_async(
+            run_demo(duration_s=args.duration, config_path=args.config, mode=args.mode)
+        )
     raise AssertionError(args.command)

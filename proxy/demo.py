@@ -31,7 +31,7 @@ from aiohttp import web
 from proxy.app import build_app
 from proxy.lifecycle import bound_port
 from proxy.runtime import RUNTIME
-from proxy.settings import Config, load_config
+from proxy.settings import Config, Mode, load_config
 from proxy.sim import SimConfig, SimServer, start_sim
 from proxy.sim.faults import Faults
 from proxy.sse import has_token
@@ -108,6 +108,17 @@ def retries_by_reason(app: web.Application) -> Counter[str]:
 def retries_line(retries: Counter[str]) -> str:
     reasons = ", ".join(f"{reason} {n}" for reason, n in retries.most_common())
     return f"retries: {sum(retries.values())}" + (f" ({reasons})" if reasons else "")
+
+
+def observed_line(app: web.Application) -> str:
+    """``mode: observe``: what enforcing would have refused, by reason."""
+    observed: Counter[str] = Counter()
+    for values, child in app[RUNTIME].telemetry.metrics.observed_refusals.series():
+        observed[values[2]] += int(child.value)
+    reasons = ", ".join(f"{reason} {n}" for reason, n in observed.most_common())
+    return f"observed (enforcing would have refused): {sum(observed.values())}" + (
+        f" ({reasons})" if reasons else ""
+    )
 
 
 def _with_replicas(config: Config, sims: list[SimServer]) -> Config:
@@ -222,8 +233,13 @@ async def run_demo(
     config_path: str | None = None,
     out: TextIO = sys.stdout,
     fault_rate: float = DEMO_FAULT_RATE,
+    mode: Mode | None = None,
 ) -> int:
+    """``mode``: the config's ``mode`` overridden (``observe``: nothing is refused, and
+    the summary says what enforcing would have refused)."""
     config = load_config(_find_config(config_path))
+    if mode is not None:
+        config = config.model_copy(update={"mode": mode})
     sims = [await start_sim(c) for c in sim_configs(len(config.replicas), fault_rate)]
     config = _with_replicas(config, sims)
     app = build_app(config, seed=0, access_log=False)
@@ -252,6 +268,15 @@ async def run_demo(
             await sim.close()
     print("\n" + summary_table(stats, config), file=out)
     print("\n" + retries_line(retries_by_reason(app)), file=out)
+    if config.mode == "observe":
+        print(observed_line(app), file=out)
+        print(
+            "\nmode: observe: every request was forwarded at once, above the seat limits "
+            "where none was free; what enforcing would have refused is counted by reason "
+            "(admission_observed_refusals_total, the access line's `observed`).",
+            file=out,
+        )
+        return 0
     print(
         "\nThe fleet has 8 seats and is offered several times that: every refusal was "
         "answered with its reason (X-Admission-Reason; docs/REFERENCE.md lists them), "

@@ -29,9 +29,11 @@ from proxy import admission
 from proxy.admission import TenantLimits
 from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.errors import ProxyError, ShuttingDown
+from proxy.errors import PredictedWaitExceedsBudget, ProxyError, QueueTimeout, ShuttingDown
 from proxy.estimators import RecentUsage
+from proxy.observe import Overflow, overflow_replica, would
 from proxy.pools import PoolQueues, PoolSeats
+from proxy.pressure import BudgetPressure
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.reseats import Reseats
 from proxy.scheduler import Scheduler, Ticket
@@ -39,6 +41,8 @@ from proxy.waits import Flow, Waits
 
 __all__ = ["Dispatcher", "TenantLimits"]
 
+#: The observed refusal that counts in the class's budget pressure (as in enforce mode).
+OBSERVED_OVERLOAD = "would_" + PredictedWaitExceedsBudget.reason
 #: Grants between sweeps of tenants whose recent usage decayed to nothing.
 USAGE_SWEEP_EVERY = 4096
 
@@ -77,6 +81,11 @@ class Dispatcher:
         #: Retries waiting for a seat: served ahead of queued tickets.
         self._reseating = Reseats(self.seats)
         self._closed: ShuttingDown | None = None
+        #: Each class's share of its queue budget used lately (``pressure.py``).
+        self.pressure = BudgetPressure(clock)
+        #: ``mode: observe`` (``observe.py``): refusals only named, nobody waits.
+        self._observing = False
+        self._overflow = Overflow()
 
     # -- configuration -----------------------------------------------------------------
 
@@ -86,6 +95,18 @@ class Dispatcher:
         for tenant in set(self._inflight) | set(self._limits):
             self.scheduler.set_blocked(tenant, self._at_cap(tenant))
         self.pump()
+
+    def set_observing(self, observing: bool) -> None:
+        """``mode: observe`` on or off (reload). Turned on, every queued ticket is
+        forwarded now; turned off, requests running above the seat limits finish."""
+        self._observing = observing
+        for tenant in list(self._inflight):
+            self.scheduler.set_blocked(tenant, self._at_cap(tenant) and not observing)
+        self.pump()
+
+    @property
+    def observing(self) -> bool:
+        return self._observing
 
     def limits_for(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant) or TenantLimits(max_concurrency=None, queue_capacity=0)
@@ -177,6 +198,12 @@ class Dispatcher:
             if headroom:
                 self._headroom_grants[tenant] = self._headroom_grants.get(tenant, 0) + 1
             return ticket
+        if self._observing:
+            observed = self._forward_observed(
+                tenant, priority, cost, now, expires_at, model, affinity
+            )
+            if observed is not None:
+                return observed
         depth = self.scheduler.depth(tenant)
         refusal = admission.queue_refusal(
             tenant, self.limits_for(tenant), depth, at_cap=self._at_cap(tenant),
@@ -187,6 +214,8 @@ class Dispatcher:
                 self.predict_wait(tenant, priority, now, model), expires_at - now
             )
         if refusal is not None:
+            if isinstance(refusal, PredictedWaitExceedsBudget):
+                self.pressure.refused(priority)
             raise refusal
         loop = asyncio.get_running_loop()
         ticket = Ticket(
@@ -221,8 +250,13 @@ class Dispatcher:
         seat was given back. While another replica is dispatchable, the retry
         waits for a seat there (up to ``reseats.RESEAT_PREFERENCE_S``) rather than go
         straight back to the replica that just failed it. Raises
-        ``TimeoutError`` when no seat frees in time.
+        ``TimeoutError`` when no seat frees in time. In observe mode a retry
+        never waits: it takes an overflow seat when no seat is free.
         """
+        if self._observing and self.seats.free(model) is None:
+            replica = overflow_replica(self.seats, model, exclude)
+            if replica is not None:
+                return self.pool.lease(replica)
         return await self._reseating.wait(
             exclude, timeout_s, model, pump=self.pump, release=self.release
         )
@@ -261,6 +295,7 @@ class Dispatcher:
         if ticket.granted_at is not None and seat is not None and seat_grace_s == 0:
             held = self._clock.now() - ticket.granted_at
         self.waits.ended(ticket.id, held)
+        self._overflow.ended(ticket.id)
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
@@ -282,6 +317,7 @@ class Dispatcher:
         """
         held = None if ticket.granted_at is None else self._clock.now() - ticket.granted_at
         self.waits.ended(ticket.id, held)
+        self._overflow.ended(ticket.id)
         self.release(seat)
 
     def close(self) -> None:
@@ -306,6 +342,8 @@ class Dispatcher:
         waiting = self.scheduler.waiting_models()
         while waiting:
             waiting = [model for model in waiting if self._pump_one(model)]
+        if self._observing and len(self.scheduler):
+            self._forward_queued()
 
     def _pump_one(self, model: str | None) -> bool:
         """Grant (or fail, if expired) the next ticket of one pool; False: nothing to do."""
@@ -332,6 +370,9 @@ class Dispatcher:
             ticket.timer.cancel()
         ticket.granted_at = now
         ticket.seat = seat
+        if ticket.observed != OBSERVED_OVERLOAD:  # counted as a refusal already
+            self.pressure.waited(ticket.priority, now - ticket.enqueued_at,
+                                 ticket.expires_at - ticket.enqueued_at)  # fmt: skip
         self.waits.started(ticket.id, ticket.tenant, seat.replica, now, ticket.model)
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
@@ -375,6 +416,49 @@ class Dispatcher:
             return None
         return self.seats.free(model, headroom=True)
 
+    # -- observe mode ------------------------------------------------------------------
+
+    def _forward_observed(
+        self, tenant: str, priority: str, cost: float, now: float, expires_at: float,
+        model: str | None, affinity: int | None,
+    ) -> Ticket | None:  # fmt: skip
+        """Observe mode, no seat free: run the checks enforcing would, name its refusal
+        on the ticket, and forward it now on an overflow seat (None: no replica serves)."""
+        replica = overflow_replica(self.seats, model)
+        if replica is None:
+            return None
+        refusal = admission.queue_refusal(
+            tenant, self.limits_for(tenant), self._overflow.depth(tenant),
+            at_cap=self._at_cap(tenant), free_place_s=lambda: 0.0,
+        )  # fmt: skip
+        if refusal is None and self._predictive_rejection:
+            refusal = admission.wait_refusal(
+                self.predict_wait(tenant, priority, now, model), expires_at - now
+            )
+        ticket = Ticket(tenant, priority, cost, now, expires_at, model=model, affinity=affinity)
+        if refusal is not None:
+            ticket.observed = would(refusal.reason)
+        if isinstance(refusal, PredictedWaitExceedsBudget):
+            self.pressure.refused(priority)
+        self._overflow.started(ticket.id, tenant)
+        self._grant(ticket, self.pool.lease(replica), now)
+        return ticket
+
+    def _forward_queued(self) -> None:
+        """Observe mode was turned on: every queued ticket goes now, on overflow seats."""
+        now = self._clock.now()
+        for model in self.scheduler.waiting_models():
+            while (replica := overflow_replica(self.seats, model)) is not None:
+                for tenant in list(self._inflight):  # nobody waits for its own cap either
+                    self.scheduler.set_blocked(tenant, False)
+                ticket = self.scheduler.pop_from(model)
+                if ticket is None:
+                    break
+                if ticket.future is None or ticket.future.done():
+                    continue
+                self._overflow.started(ticket.id, ticket.tenant)
+                self._grant(ticket, self.pool.lease(replica), now)
+
     # -- refusals after the wait -------------------------------------------------------
 
     def _flow(self, tenant: str) -> Flow:
@@ -383,13 +467,16 @@ class Dispatcher:
 
     def _expiry(self, ticket: Ticket, now: float) -> ProxyError:
         tenant, priority, model = ticket.tenant, ticket.priority, ticket.model
-        return admission.expiry(
+        error = admission.expiry(
             tenant,
             now - ticket.enqueued_at,
             held_by_cap=self._at_cap(tenant) and self.seats.free(model) is not None,
             free_place_s=lambda: self.waits.time_to_free_place(tenant, priority, now, model),
             wait_s=lambda: self.waits.retry_after_queue_timeout(tenant, priority, now, model),
         )
+        if isinstance(error, QueueTimeout):  # not its own cap: the fleet had no seat in time
+            self.pressure.refused(priority)
+        return error
 
     def _fail(self, ticket: Ticket, error: Exception) -> None:
         if ticket.timer is not None:

@@ -34,6 +34,7 @@ from multidict import CIMultiDictProxy
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted, Deadline
 from proxy.affinity import affinity_key
+from proxy.degrade import DEGRADED_HEADER, MAX_TOKENS, cap_max_tokens
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -50,6 +51,7 @@ from proxy.errors import (
 from proxy.estimators import DEFAULT_OUTPUT_TOKENS
 from proxy.exchange import Exchange
 from proxy.models import ModelRefusal
+from proxy.observe import would
 from proxy.paths import forwardable, normalise_path
 from proxy.record import RequestRecord
 from proxy.runtime import RUNTIME, Rules, Runtime
@@ -86,7 +88,10 @@ def retry_after_header(seconds: float) -> str:
 
 
 def error_response(err: ProxyError, record: RequestRecord) -> web.Response:
-    return error_answer(err, record.request_id, {"Server-Timing": record.server_timing()})
+    headers = {"Server-Timing": record.server_timing()}
+    if record.degraded is not None:
+        headers[DEGRADED_HEADER] = record.degraded
+    return error_answer(err, record.request_id, headers)
 
 
 def error_answer(
@@ -191,7 +196,10 @@ async def _admit(
         raise BodyTooLarge(f"body of {content_length} bytes exceeds {max_body}")
     wait_s = runtime.quotas.try_take(tenant)
     if wait_s > 0:
-        raise RateLimited(f"tenant {tenant!r} is over its request rate", retry_after_s=wait_s)
+        if config.mode == "observe":
+            record.observed = would(RateLimited.reason)
+        else:
+            raise RateLimited(f"tenant {tenant!r} is over its request rate", retry_after_s=wait_s)
     budgets = rules.budgets[tenant]
     arrival = record.arrival
     deadline = Deadline.start(arrival, budgets, client_timeout_ms)
@@ -210,6 +218,13 @@ async def _admit(
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
     model, pool, body = _choose_pool(doc, body, tenant_config.allowed_models, runtime, record)
+    if doc is not None and _degrading(priority, rules, runtime):
+        capped = cap_max_tokens(doc, route, config.overload.max_tokens_cap or 0)
+        if capped is not None:
+            if model is not None and "model" in capped:
+                capped["model"] = model  # the alias's target, as _choose_pool sent it
+            doc, body = capped, json.dumps(capped).encode()
+            record.degraded = MAX_TOKENS
     listing = (
         (route == "/v1/models" or route.startswith("/v1/models/"))
         and method == "GET"
@@ -238,6 +253,20 @@ async def _admit(
         pool=pool,
         listing=listing,
         affinity=affinity,
+        degraded=record.degraded,
+    )
+
+
+def _degrading(priority: str, rules: Rules, runtime: Runtime) -> bool:
+    """``overload``: a listed class whose budget pressure is past ``at`` (enforce mode
+    only: observe mode changes no request)."""
+    config = rules.config
+    overload = config.overload
+    return (
+        overload.max_tokens_cap is not None
+        and priority in overload.classes
+        and config.mode == "enforce"
+        and runtime.dispatcher.pressure.of(priority) > overload.at
     )
 
 

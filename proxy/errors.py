@@ -25,7 +25,8 @@ translates aiohttp's client errors into them.
     │   ├── ShuttingDown               503 shutting_down
     │   ├── RetryBudgetExhausted       503 retry_budget_exhausted
     │   ├── OverloadedConnections      503 overloaded_connections
-    │   └── StateUnavailable           503 state_unavailable
+    │   ├── StateUnavailable           503 state_unavailable
+    │   └── NoPreviousConfig           409 no_previous_config (POST /admin/rollback)
     ├── TimedOut                       outcome "timed_out"
     │   ├── EntranceTimeout            408 entrance_timeout
     │   ├── QueueTimeout               503 queue_timeout
@@ -179,6 +180,13 @@ class StateUnavailable(Rejected):
 
     status = 503
     reason = "state_unavailable"
+
+
+class NoPreviousConfig(Rejected):
+    """``POST /admin/rollback`` with no earlier good config kept (or no config file)."""
+
+    status = 409
+    reason = "no_previous_config"
 
 
 class TimedOut(ProxyError):

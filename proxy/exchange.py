@@ -27,6 +27,7 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted
+from proxy.degrade import DEGRADED_HEADER
 from proxy.errors import (
     ModelNotFound,
     NoHealthyReplica,
@@ -154,6 +155,8 @@ class Exchange:
                 admitted.model, *flow, affinity=admitted.affinity
             )
         self.record.enqueued_at = ticket.enqueued_at
+        if ticket.observed is not None and self.record.observed is None:
+            self.record.observed = ticket.observed  # the first check enforcing would fail
         self.record.queue_depth_at_enqueue = dispatcher.scheduler.depth(admitted.tenant)
         return ticket
 
@@ -301,6 +304,8 @@ class Exchange:
         record = self.record
         status = record.status = committed.status
         extra = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
+        if self.admitted.degraded is not None:
+            extra[DEGRADED_HEADER] = self.admitted.degraded
         if not 200 <= status < 300:
             extra["X-Admission-Reason"] = "upstream_status"
             record.outcome, record.reason = "failed", "upstream_status"

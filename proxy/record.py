@@ -72,6 +72,10 @@ class RequestRecord:
     upstream_ms: float | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None
+    #: ``overload``: what was degraded (``max_tokens``), or None.
+    degraded: str | None = None
+    #: ``mode: observe``: the refusal enforcing would have given (``would_<reason>``), or None.
+    observed: str | None = None
 
     def fail(self, error: ProxyError) -> None:
         """Record the proxy's own answer (before ``end``)."""

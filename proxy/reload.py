@@ -21,6 +21,13 @@ as needing a restart, and the running config keeps the value the listener was
 built with (so ``/admin/config`` shows what is in effect). A replica whose TLS
 files changed (path or content) gets a new context; a rotated certificate
 needs a reload to be read.
+
+Every config that ran is kept in a ``ConfigHistory`` (``config_history``
+entries, with the file's hash and the time it was applied); ``rollback``
+applies the one before the running one, the same way a reload does. It
+changes the running config, not the file: the watcher only reloads when the
+file's content changes again, and a SIGHUP or ``POST /admin/reload`` reads
+the file as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel
 
+from proxy.config_history import ConfigEntry, ConfigHistory
+from proxy.errors import NoPreviousConfig
 from proxy.replicas import Replica, ReplicaState
 from proxy.runtime import Rules, Runtime
 from proxy.settings import Config, ConfigError, ConfigIssue, load_config
@@ -79,6 +88,9 @@ class Reloader:
         self._digest = _digest(self._path)
         #: What the listener was built from: ``RESTART_KEYS`` are compared to it.
         self._started = runtime.rules.config
+        #: The good configs that ran, the running one last (``POST /admin/rollback``).
+        self.history = ConfigHistory(self._started.config_history)
+        self.history.applied(self._started, self._digest or "")
 
     async def reload(self, trigger: str) -> ReloadResult:
         """Read, validate and apply the config file; one reload at a time."""
@@ -98,11 +110,33 @@ class Reloader:
             for key, at_start, configured in needs_restart(self._started, config):
                 log.warning("setting changed: takes effect after a restart", key=key,
                             running=at_start, configured=configured)  # fmt: skip
-            apply_config(self._runtime, keep_restart_keys(self._started, config), tls)
+            running = keep_restart_keys(self._started, config)
+            apply_config(self._runtime, running, tls)
+            self.history.applied(running, digest or "")
             self._runtime.telemetry.metrics.config_reloads.labels("ok").inc()
             log.info("config reloaded", trigger=trigger, tenants=len(config.tenants),
                      replicas=[r.name for r in config.replicas])  # fmt: skip
             return ReloadResult(True)
+
+    async def rollback(self) -> tuple[ConfigEntry, ConfigEntry]:
+        """Apply the config before the running one: (now running, the one replaced).
+
+        ``NoPreviousConfig`` when the history holds only the running config.
+        Runs under the reload lock, so it never interleaves with a reload.
+        """
+        async with self._lock:
+            previous = self.history.previous
+            if previous is None:
+                raise NoPreviousConfig(
+                    "no earlier good config is kept (config_history holds the running one only)"
+                )
+            tls = await asyncio.to_thread(tls_by_replica, previous.config.replicas)
+            apply_config(self._runtime, previous.config, tls)
+            running, replaced = self.history.rolled_back()
+            self._runtime.telemetry.metrics.config_reloads.labels("rolled_back").inc()
+            log.warning("config rolled back", sha256=running.sha256,
+                        applied_at=running.applied_at, replaced=replaced.sha256)  # fmt: skip
+            return running, replaced
 
     async def watch(self, interval_s: float = WATCH_INTERVAL_S) -> None:
         """Reload whenever the file's content changes; runs until cancelled."""

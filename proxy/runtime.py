@@ -141,6 +141,7 @@ class Runtime:
         """Swap in a new config's rules in one step (reload)."""
         self._set("rules", rules)
         self.dispatcher.set_limits(rules.tenant_limits())
+        self.dispatcher.set_observing(rules.config.mode == "observe")
         scheduler = self.dispatcher.scheduler
         scheduler.set_class_weights({n: p.weight for n, p in rules.config.priorities.items()})
         scheduler.set_tenant_weights({n: t.weight for n, t in rules.config.tenants.items()})

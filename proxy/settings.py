@@ -65,7 +65,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
-from proxy import config_fleet, config_sections, config_tenants
+from proxy import config_fleet, config_overload, config_sections, config_tenants
 from proxy.config_errors import (
     SHA256_PREFIX,
     ConfigError,
@@ -80,6 +80,14 @@ from proxy.config_errors import (
 )
 from proxy.config_fleet import *  # noqa: F403 - re-exported, see __all__
 from proxy.config_fleet import RoutingConfig, StateConfig
+from proxy.config_overload import *  # noqa: F403 - re-exported, see __all__
+from proxy.config_overload import (
+    DEFAULT_CONFIG_HISTORY,
+    DEFAULT_MODE,
+    Mode,
+    OverloadConfig,
+    overload_problems,
+)
 from proxy.config_rules import anonymous_problem, replica_problems, tenant_problems, valid_items
 from proxy.config_sections import *  # noqa: F403 - re-exported, see __all__
 from proxy.config_sections import (
@@ -113,6 +121,7 @@ __all__ = [
 __all__ += config_sections.__all__
 __all__ += config_tenants.__all__
 __all__ += config_fleet.__all__
+__all__ += config_overload.__all__
 
 ENV_PREFIX = "ADMISSION_"
 ENV_NESTED_DELIMITER = "__"
@@ -206,6 +215,11 @@ class Config(BaseSettings):
     priorities: dict[Name, PriorityConfig] = Field(default_factory=_default_priorities)
     telemetry: TelemetryConfig = TelemetryConfig()
     state: StateConfig = StateConfig()
+    #: ``observe``: forward everything at once, count what ``enforce`` would refuse.
+    mode: Mode = DEFAULT_MODE
+    overload: OverloadConfig = OverloadConfig()
+    #: Good configs kept for ``POST /admin/rollback``, the running one included.
+    config_history: int = Field(default=DEFAULT_CONFIG_HISTORY, ge=1, le=100)
     #: Path prefixes forwarded to replicas, matched by whole segments ("/" opens all).
     routes: tuple[Route, ...] = DEFAULT_ROUTES
     anonymous: str = ANONYMOUS_REJECT
@@ -263,6 +277,14 @@ class Config(BaseSettings):
         if not priorities:
             raise rule("at least one priority class is required")
         return priorities
+
+    @field_validator("overload")
+    @classmethod
+    def _check_overload(cls, overload: OverloadConfig, info: ValidationInfo) -> OverloadConfig:
+        problems = overload_problems(overload, info.data.get("priorities"))
+        if problems:
+            raise rule_violations("overload", problems)
+        return overload
 
     @field_validator("routes")
     @classmethod

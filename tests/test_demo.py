@@ -39,3 +39,26 @@ async def test_the_demo_summary_counts_the_retries(tmp_path: Path) -> None:
     assert match, text
     assert int(match[1]) == int(match[2]) >= 1
     assert "| chat | interactive |" in text
+
+
+async def test_the_demo_in_observe_mode_refuses_nothing_and_says_what_it_would(
+    tmp_path: Path,
+) -> None:
+    """demo --mode observe: no request is refused by admission (no queue, rate or wait
+    refusal in the table), and the summary counts what enforcing would have refused."""
+    document = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text(encoding="utf-8"))
+    document["warmup"] = {"requests": 0}
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    out = io.StringIO()
+
+    assert await run_demo(duration_s=2.0, config_path=str(path), out=out, mode="observe") == 0
+
+    text = out.getvalue()
+    table = text[text.index("| tenant |") : text.index("\nretries:")]
+    for reason in ("tenant_queue_full", "tenant_concurrency", "rate_limited",
+                   "predicted_wait_exceeds_budget", "queue_timeout"):  # fmt: skip
+        assert reason not in table, text
+    match = re.search(r"^observed \(enforcing would have refused\): (\d+)", text, re.MULTILINE)
+    assert match, text
+    assert int(match[1]) >= 1 and "would_" in text  # the demo offers several times the seats

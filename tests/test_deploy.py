@@ -65,6 +65,15 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "admission_config_reloads_total": ("counter", frozenset({"result"})),
     "admission_model_requests_total": ("counter", frozenset({"model", "outcome"})),
     "admission_model_queue_depth": ("gauge", frozenset({"model"})),
+    "admission_budget_pressure": ("gauge", frozenset({"priority"})),
+    "admission_observed_refusals_total": (
+        "counter",
+        frozenset({"tenant", "priority", "reason"}),
+    ),
+    "admission_degraded_requests_total": (
+        "counter",
+        frozenset({"tenant", "priority", "degradation"}),
+    ),
 }
 #: Labels Prometheus adds to every scraped series, and the histogram bucket label.
 TARGET_LABELS = frozenset({"instance", "job"})
@@ -906,3 +915,58 @@ def test_kubernetes_sidecar_fronts_its_own_gpu_engine() -> None:
     drain_s = _sleep_s(proxy) + config.server.shutdown_grace_ms / 1000
     assert _sleep_s(vllm) >= drain_s
     assert pod["terminationGracePeriodSeconds"] > _sleep_s(vllm)
+
+
+# --------------------------------------------------------------------------- autoscaling
+
+AUTOSCALING = DEPLOY / "kubernetes" / "autoscaling"
+
+
+def _pressure_classes(matchers: list[tuple[str, str, str]]) -> set[str]:
+    """The classes a ``priority`` matcher selects (``=`` or ``=~`` with ``|``)."""
+    (values,) = [value for label, op, value in matchers if label == "priority" and "=" in op]
+    return set(values.split("|"))
+
+
+def test_autoscaling_examples_scale_the_sidecar_on_budget_pressure() -> None:
+    """The KEDA ScaledObject and the HPA both scale the sidecar Deployment (one engine per
+    pod) on admission_budget_pressure of configured classes, at a threshold inside (0, 1),
+    up at once and down slowly; neither is in a kustomization (apply one, not both)."""
+    objects, generated, _ = _kustomize("sidecar")
+    deployment = _one(objects, "Deployment")
+    (config_file,) = generated.values()
+    classes = set(_config_from(config_file).priorities)
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"]}
+
+    keda = _load(AUTOSCALING / "keda-scaledobject.yaml")
+    assert (keda["apiVersion"], keda["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert keda["spec"]["scaleTargetRef"] == target
+    assert 1 <= keda["spec"]["minReplicaCount"] < keda["spec"]["maxReplicaCount"]
+    (trigger,) = keda["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    selectors, grouped = _selectors(trigger["metadata"]["query"])
+    (metric, matchers) = selectors[0]
+    assert [m for m, _ in selectors] == ["admission_budget_pressure"] and not grouped
+    labels = CONTRACT_METRICS[metric][1]
+    assert {label for label, _, _ in matchers} <= labels
+    assert _pressure_classes(matchers) <= classes
+    keda_at = float(trigger["metadata"]["threshold"])
+    behavior = keda["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+
+    hpa = _load(AUTOSCALING / "hpa-external.yaml")
+    assert (hpa["apiVersion"], hpa["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == target
+    (external,) = hpa["spec"]["metrics"]
+    assert external["type"] == "External"
+    assert external["external"]["metric"]["name"] in CONTRACT_METRICS
+    (expression,) = external["external"]["metric"]["selector"]["matchExpressions"]
+    assert expression["key"] in labels and set(expression["values"]) <= classes
+    assert set(expression["values"]) == _pressure_classes(matchers)
+    value = external["external"]["target"]["value"]
+    hpa_at = int(value.removesuffix("m")) / 1000 if value.endswith("m") else float(value)
+    assert 0 < hpa_at == keda_at < 1
+
+    for scaling in (behavior, hpa["spec"]["behavior"]):
+        assert scaling["scaleUp"]["stabilizationWindowSeconds"] == 0
+        assert scaling["scaleDown"]["stabilizationWindowSeconds"] >= 300
+    assert not (AUTOSCALING / "kustomization.yaml").exists()

@@ -125,6 +125,12 @@ class Telemetry:
             if record.model is not None:
                 model = self.model_labels(record.model) if record.model_served else "unknown"
                 self.metrics.model_requests.labels(model, outcome).inc()
+            if record.observed is not None:
+                self.metrics.observed_refusals.labels(
+                    tenant, record.priority, record.observed
+                ).inc()
+            if record.degraded is not None:
+                self.metrics.degraded.labels(tenant, record.priority, record.degraded).inc()
         trace_id = None
         if record.trace is not None:
             self.tracing.request_ended(record.trace, record, record.gpu)

@@ -352,5 +352,34 @@ class Metrics:
         self.config_reloads = Counter(
             "admission_config_reloads", "Config reloads by result", ["result"], registry=r
         )
-        for result in ("ok", "invalid"):
+        for result in ("ok", "invalid", "rolled_back"):
             self.config_reloads.labels(result)
+        self.observed_refusals = CounterFamily(
+            "admission_observed_refusals",
+            "mode: observe: requests forwarded that enforcing would have refused",
+            ["tenant", "priority", "reason"],
+            r,
+        )
+        self.degraded = CounterFamily(
+            "admission_degraded_requests",
+            "Requests degraded instead of refused (overload)",
+            ["tenant", "priority", "degradation"],
+            r,
+        )
+
+
+class PressureCollector(Collector):
+    """``admission_budget_pressure{priority}``, read at scrape time (``pressure.py``)."""
+
+    def __init__(self, pressure: Callable[[], dict[str, float]]) -> None:
+        self._pressure = pressure
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "admission_budget_pressure",
+            "p95 queue wait over the queue budget, last 30 s (1: budget used up)",
+            labels=["priority"],
+        )
+        for priority, value in sorted(self._pressure().items()):
+            gauge.add_metric([priority], value)
+        yield gauge
