@@ -25,8 +25,11 @@ from proxy.errors import ProxyError
 from proxy.scheduler import Ticket
 
 
-def install(path: Path) -> None:
-    """Wrap ``Dispatcher`` for this process: one line per ticket into ``path``."""
+def install(path: Path) -> Callable[[], None]:
+    """Wrap ``Dispatcher`` for this process: one line per ticket into ``path``.
+
+    Returns the function that puts the dispatcher back and closes the file.
+    """
     out: IO[str] = path.open("w", buffering=1)
     seen: dict[int, dict[str, Any]] = {}
     enqueue_in: Callable[..., Ticket] = Dispatcher.enqueue_in
@@ -83,9 +86,16 @@ def install(path: Path) -> None:
             reason = getattr(error, "reason", type(error).__name__)
             write(record | {"outcome": reason, "wait_s": self._clock.now() - ticket.enqueued_at})
 
+    def uninstall() -> None:
+        Dispatcher.enqueue_in = enqueue_in  # type: ignore[method-assign]
+        Dispatcher._grant = grant  # type: ignore[method-assign]
+        Dispatcher._fail = fail  # type: ignore[method-assign]
+        out.close()
+
     Dispatcher.enqueue_in = traced_enqueue  # type: ignore[method-assign]
     Dispatcher._grant = traced_grant  # type: ignore[method-assign]
     Dispatcher._fail = traced_fail  # type: ignore[method-assign]
+    return uninstall
 
 
 def summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
