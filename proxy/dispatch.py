@@ -194,6 +194,7 @@ class Dispatcher:
             affinity=affinity,
         )  # fmt: skip
         self.scheduler.push(ticket)
+        self.waits.queued(tenant, priority, model)
         if depth + 1 > self._high_water.get(tenant, 0):
             self._high_water[tenant] = depth + 1
         self.pump()
@@ -332,7 +333,10 @@ class Dispatcher:
             ticket.timer.cancel()
         ticket.granted_at = now
         ticket.seat = seat
-        self.waits.started(ticket.id, ticket.tenant, seat.replica, now)
+        self.waits.started(
+            ticket.id, ticket.tenant, seat.replica, now, priority=ticket.priority,
+            model=ticket.model, from_queue=ticket.future is not None,
+        )  # fmt: skip
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from proxy.estimators import RecentDispatches, SeatTime
+from proxy.estimators import BackloggedTurnover, RecentDispatches, SeatTime
 
 if TYPE_CHECKING:
     from proxy.replicas import Replica, ReplicaPool
@@ -48,7 +48,7 @@ class Waits:
 
     __slots__ = (
         "_flow", "_members", "_pool", "_queue_of", "_recent", "_running", "_scheduler",
-        "seat_time",
+        "_turnover", "seat_time",
     )  # fmt: skip
 
     def __init__(
@@ -68,12 +68,32 @@ class Waits:
         self._members = members or (lambda model: None)
         self.seat_time = SeatTime()
         self._recent = RecentDispatches()
+        #: Each flow's measured drain while backlogged, keyed (model, tenant, priority).
+        self._turnover = BackloggedTurnover()
         #: When each running request got its seat, and where (for the release times).
         self._running: dict[int, tuple[float, Replica]] = {}
 
-    def started(self, ticket_id: int, tenant: str, replica: Replica, now: float) -> None:
+    def queued(self, tenant: str, priority: str, model: str | None) -> None:
+        """A ticket joined its flow's queue; the first one starts a new backlog."""
+        if self._queue_of(model).depth_by_class(tenant, priority) == 1:
+            self._turnover.began((model, tenant, priority))
+
+    def started(
+        self,
+        ticket_id: int,
+        tenant: str,
+        replica: Replica,
+        now: float,
+        *,
+        priority: str = "standard",
+        model: str | None = None,
+        from_queue: bool = False,
+    ) -> None:
+        """A seat was granted: ``from_queue`` when the ticket waited in its flow's queue."""
         self._running[ticket_id] = (now, replica)
         self._recent.record(tenant, now)
+        backlogged = from_queue and self._queue_of(model).depth_by_class(tenant, priority) > 0
+        self._turnover.dispatched((model, tenant, priority), now, still_backlogged=backlogged)
 
     def ended(self, ticket_id: int, held_s: float | None) -> None:
         """A seat went back; ``held_s`` is its seat time when it counts (no grace)."""
@@ -83,6 +103,7 @@ class Waits:
 
     def forget_idle(self, now: float) -> None:
         self._recent.forget_idle(now)
+        self._turnover.forget_idle(now)
 
     def _seats(self, model: str | None) -> int:
         members = self._members(model)
@@ -155,7 +176,15 @@ class Waits:
         Neither falls below the flow's share if every recently active tenant
         were backlogged too (each counted as one more flow of its weight):
         that much fair queuing guarantees it. A tenant with a concurrency cap
-        drains no faster than its cap turns over.
+        drains no faster than its cap turns over, and a flow that has stayed
+        backlogged for the last seconds no faster than it was measured to
+        drain then (``BackloggedTurnover``): shares are in tokens, so a flow
+        of long requests gets fewer dispatches than its share of the seats,
+        and at 1x load the share-based rate ran ahead of the flow's real one
+        often enough to let more requests time out than the old estimator.
+        The measured rate only ever lowers the estimate, and only counts while
+        the flow's queue has not emptied: never a rate taken over a quiet
+        period.
         """
         capacity = self.capacity(model)
         if capacity is None:
@@ -173,6 +202,9 @@ class Waits:
         mean = self.seat_time.mean_s
         if cap and mean:
             flow = min(flow, cap / mean)
+        measured = self._turnover.rate((model, tenant, priority), now)
+        if measured is not None:
+            flow = min(flow, measured)
         return flow, max(capacity - others, floor)
 
     def estimate(
