@@ -202,9 +202,12 @@ class Waits:
         mean = self.seat_time.mean_s
         if cap and mean:
             flow = min(flow, cap / mean)
-        measured = self._turnover.rate((model, tenant, priority), now)
-        if measured is not None:
-            flow = min(flow, measured)
+        # Only while the flow is backlogged now: a backlog that ended by expiry or
+        # cancellation left its record behind, and says nothing of a new one.
+        if scheduler.depth_by_class(tenant, priority):
+            measured = self._turnover.rate((model, tenant, priority), now)
+            if measured is not None:
+                flow = min(flow, measured)
         return flow, max(capacity - others, floor)
 
     def estimate(

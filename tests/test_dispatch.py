@@ -498,7 +498,8 @@ async def test_a_flow_of_long_requests_is_predicted_at_its_measured_drain() -> N
     """One seat of 0.1 s; tenants a and b both backlogged, a's tickets costing three
     times b's, so fair queuing (in tokens) gives a one dispatch in four, not the one in
     two its share of the seats suggests. A new ticket of a is predicted to wait about as
-    long as it then does (the share-based estimate said half, and let it time out)."""
+    long as it then does (the share-based estimate said half, and let it time out);
+    once its backlog has ended, the drain it measured no longer counts."""
     clock = FakeClock()
     limits = {t: TenantLimits(max_concurrency=None, queue_capacity=1000) for t in "ab"}
     d = make_dispatcher(clock, limits=limits)
@@ -536,4 +537,14 @@ async def test_a_flow_of_long_requests_is_predicted_at_its_measured_drain() -> N
     waited = mine.granted_at - mine.enqueued_at
     assert waited == pytest.approx(4.1, abs=0.25)  # 10 of a's and about 30 of b's ahead
     assert predicted is not None and 0.9 * waited <= predicted <= 1.25 * waited
+
+    # a's backlog is measured again, then every ticket of it expires: a new ticket of a
+    # starts a new backlog, judged by its share (the release after next, 0.2 s), not by
+    # the drain of the one that ended (twice that).
+    for _ in range(40):
+        await turn(top_up_a=True)
+    for ticket in [t for t in tickets if t.tenant == "a" and t.seat is None]:
+        d._expire(ticket)
+    assert d.scheduler.depth("a") == 0
+    assert d.predict_wait("a", "standard", clock.now()) == pytest.approx(0.2)
     d.close()
