@@ -30,7 +30,9 @@ latency and answers by ``X-Admission-Reason``. A request is dispatched when
 it made at least one upstream attempt. Targets: budgeted attempts per
 dispatched request under 1.25 with the retry floor under 5% of the dispatch
 rate, and budgeted goodput at least naive's. Results go to
-``bench/results/retry_storm.json``.
+``bench/results/retry_storm.json``. A replica counter that cannot be read
+(``/sim/stats`` down, slow or garbled) is recorded as missing, its figures
+print ``n/a`` and the run goes on; the report counts what is missing.
 
     .venv/bin/python -m bench.retry_storm [--seconds N] [--rounds N] [--quick]
 """
@@ -50,6 +52,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +62,7 @@ import uvloop
 import yaml
 from prometheus_client import CollectorRegistry
 
-from bench.common import cpu_line, machine, revision, write_results
+from bench.common import Readings, cpu_line, machine, revision, write_results
 from bench.load import Arrivals, load_session, percentile, refusal_reason
 from bench.processes import Sims, sim_stats
 from bench.retry_storm_fleet import running_proxy, set_faults, wait_healthy
@@ -70,6 +73,7 @@ from bench.retry_storm_report import (
     Summary,
     figure_table,
     figures,
+    missing_report,
     policy_table,
     read_access_log,
     reasons_table,
@@ -320,17 +324,47 @@ def _cpu(sims: Sims) -> dict[str, float]:
                   for sim in sims.sims}  # fmt: skip
 
 
-async def _requests_total(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[int]:
-    return [int((await sim_stats(session, url))["requests_total"]) for url in urls]
+async def _requests_received(session: aiohttp.ClientSession, url: str) -> int:
+    return int((await sim_stats(session, url))["requests_total"])
+
+
+async def _requests_total(
+    session: aiohttp.ClientSession, urls: Sequence[str], readings: Readings, what: str
+) -> list[int] | None:
+    """Each replica's ``requests_total``, or None (recorded in ``readings``) when one
+    could not be read: a partial fleet is not passed off as the whole."""
+    counts = []
+    for i, url in enumerate(urls):
+        count = await readings.take(f"{what} (sim-{i})", partial(_requests_received, session, url))
+        if count is None:
+            return None
+        counts.append(count)
+    return counts
 
 
 async def _requests_total_at(
-    session: aiohttp.ClientSession, urls: Sequence[str], at: float, t0: float
-) -> list[int]:
+    session: aiohttp.ClientSession,
+    urls: Sequence[str],
+    at: float,
+    t0: float,
+    readings: Readings,
+    what: str,
+) -> list[int] | None:
     delay = t0 + at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
-    return await _requests_total(session, urls)
+    return await _requests_total(session, urls, readings, what)
+
+
+async def _errors_injected(session: aiohttp.ClientSession, url: str) -> int:
+    return int((await sim_stats(session, url))["errors_injected"])
+
+
+def _differences(later: list[int] | None, earlier: list[int] | None) -> list[int] | None:
+    """Per replica, later minus earlier; None when either reading is missing."""
+    if later is None or earlier is None:
+        return None
+    return [b - a for a, b in zip(earlier, later, strict=True)]
 
 
 def _counter(registry: CollectorRegistry, name: str) -> float:
@@ -356,21 +390,23 @@ async def run_policy(
         await sims.start(REPLICAS, ["--slots", str(SLOTS), *SIM_ARGS])
         await wait_healthy(control, sims)
         async with running_proxy(proxy_config(sims.urls, policy), seed=round_index) as proxy:
-            # The warm-up request must have reached every engine before the fault is on.
+            # The warm-up request must have reached every engine before the fault is on
+            # (a count that cannot be read yet is asked again, within the same deadline).
             deadline = time.monotonic() + WARMUP_REACHED_TIMEOUT_S
-            while not all(await _requests_total(control, sims.urls)):
+            while not all(await _requests_total(control, sims.urls, Readings(), "") or [0]):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the proxy's warm-up never reached the replicas")
                 await asyncio.sleep(0.05)
             faulty = sims.urls[FAULTY]
             await set_faults(control, faulty, error_rate=ERROR_RATE, error_status=ERROR_STATUS)
-            before = await _requests_total(control, sims.urls)
+            readings = Readings()
+            before = await _requests_total(control, sims.urls, readings, "requests before")
             cpu_before = _cpu(sims)
             window = (warmup_s, warmup_s + seconds)
             t0 = time.perf_counter()
             marks = asyncio.gather(
-                _requests_total_at(control, sims.urls, window[0], t0),
-                _requests_total_at(control, sims.urls, window[1], t0),
+                _requests_total_at(control, sims.urls, window[0], t0, readings, "window opens"),
+                _requests_total_at(control, sims.urls, window[1], t0, readings, "window closes"),
             )
             try:
                 results = await drive(load, proxy.url, rate, window[1])
@@ -381,8 +417,12 @@ async def run_policy(
             registry = proxy.runtime.telemetry.metrics.registry
             exhausted = _counter(registry, "admission_retry_budget_exhausted")
             log_text = proxy.access_log.getvalue()
-        after = await _requests_total(control, sims.urls)
-        injected = int((await sim_stats(control, faulty))["errors_injected"])
+        after = await _requests_total(control, sims.urls, readings, "requests after")
+        injected = await readings.take(
+            f"errors injected (sim-{FAULTY})", partial(_errors_injected, control, faulty)
+        )
+    for missing in readings.missing:
+        print(f"  round {round_index} {policy.key}: {missing}; going on", flush=True)
     return Run(
         policy=policy.key,
         round=round_index,
@@ -390,12 +430,13 @@ async def run_policy(
         window=window,
         results=results,
         log=read_access_log(log_text),
-        replicas_in_window=[c - o for o, c in zip(opened, closed, strict=True)],
-        replicas_total=[a - b for a, b in zip(after, before, strict=True)],
+        replicas_in_window=_differences(closed, opened),
+        replicas_total=_differences(after, before),
         errors_injected=injected,
         retry_budget_exhausted=exhausted,
         elapsed_s=round(elapsed, 1),
         cpu_s={k: round(cpu_after[k] - cpu_before[k], 2) for k in cpu_before},
+        missing=[str(m) for m in readings.missing],
     )
 
 
@@ -515,6 +556,8 @@ def report(
         *slo_table(ordered, TITLES),
         "",
         *rounds_table(stats),
+        "",
+        *missing_report(stats),
     ]
     return "\n".join(lines), items
 
@@ -574,6 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summaries": {k: asdict(s) for k, s in summaries.items()},
         "rounds": {k: [asdict(s) for s in group] for k, group in stats.items()},
         "figures": [asdict(f) for f in items],
+        "readings_missing": sum(len(s.missing) for group in stats.values() for s in group),
         "pass": {f.name: f.passed for f in items if f.passed is not None},
     }  # fmt: skip
     write_results(args.output, result)

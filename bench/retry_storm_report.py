@@ -82,15 +82,18 @@ class Run:
     window: tuple[float, float]
     results: list[Result]
     log: dict[str, Entry]
-    #: Per replica, requests the engine received while the window was open.
-    replicas_in_window: list[int]
-    #: Per replica, requests received from the fault's start to the proxy's stop.
-    replicas_total: list[int]
-    errors_injected: int
+    #: Per replica, requests the engine received while the window was open
+    #: (None: a replica's counters could not be read at one end of it).
+    replicas_in_window: list[int] | None
+    #: Per replica, requests received from the fault's start to the proxy's stop (None: missing).
+    replicas_total: list[int] | None
+    errors_injected: int | None
     retry_budget_exhausted: float
     elapsed_s: float
     #: CPU seconds over the run: this process (load generator and proxy) and each replica.
     cpu_s: dict[str, float] = field(default_factory=dict)
+    #: Readings that could not be taken (``bench.common.MissingReading`` as text).
+    missing: list[str] = field(default_factory=list)
 
 
 # -- one run's figures ------------------------------------------------------------------
@@ -115,7 +118,8 @@ class Stats:
     #: Requests that made at least one upstream attempt.
     dispatched: int
     attempts_log: int
-    attempts_replicas: int
+    #: None where the replicas' counters are missing (``missing``).
+    attempts_replicas: int | None
     per_sent_log: float
     per_sent_replicas: float
     per_dispatched_log: float
@@ -137,13 +141,15 @@ class Stats:
     #: Retried requests whose last attempt went to the failing replica again.
     retried_on_faulty: int
     retry_budget_exhausted: float
-    replicas_in_window: list[int]
+    replicas_in_window: list[int] | None
     #: Whole run: attempts by the access log, and requests the replicas received.
     log_total: int
-    replicas_total: int
-    errors_injected: int
+    replicas_total: int | None
+    errors_injected: int | None
     unlogged: int
     cpu_s: dict[str, float]
+    #: Readings that could not be taken in this run: its replica figures are n/a.
+    missing: list[str] = field(default_factory=list)
 
 
 def run_stats(run: Run, slo_ms: float, slo_sweep_ms: Sequence[float], faulty: str) -> Stats:
@@ -154,7 +160,9 @@ def run_stats(run: Run, slo_ms: float, slo_sweep_ms: Sequence[float], faulty: st
     logged = [e for e in entries if e is not None]
     dispatched = [e for e in logged if e.attempts >= 1]
     attempts_log = sum(e.attempts for e in logged)
-    attempts_replicas = sum(run.replicas_in_window)
+    in_window = run.replicas_in_window
+    attempts_replicas = None if in_window is None else sum(in_window)
+    nan = float("nan")
     ok_ms = [r.total_s * 1000.0 for r in measured if r.ok and r.total_s is not None]
     answered_ms = [r.total_s * 1000.0 for r in measured if r.total_s is not None]
     good = sum(ms <= slo_ms for ms in ok_ms)
@@ -168,9 +176,11 @@ def run_stats(run: Run, slo_ms: float, slo_sweep_ms: Sequence[float], faulty: st
         attempts_log=attempts_log,
         attempts_replicas=attempts_replicas,
         per_sent_log=_ratio(attempts_log, sent),
-        per_sent_replicas=_ratio(attempts_replicas, sent),
+        per_sent_replicas=nan if attempts_replicas is None else _ratio(attempts_replicas, sent),
         per_dispatched_log=_ratio(attempts_log, len(dispatched)),
-        per_dispatched_replicas=_ratio(attempts_replicas, len(dispatched)),
+        per_dispatched_replicas=(
+            nan if attempts_replicas is None else _ratio(attempts_replicas, len(dispatched))
+        ),
         retries_per_s=(attempts_log - len(dispatched)) / seconds,
         ok=len(ok_ms),
         good=good,
@@ -188,10 +198,11 @@ def run_stats(run: Run, slo_ms: float, slo_sweep_ms: Sequence[float], faulty: st
         retry_budget_exhausted=run.retry_budget_exhausted,
         replicas_in_window=run.replicas_in_window,
         log_total=sum(e.attempts for e in run.log.values()),
-        replicas_total=sum(run.replicas_total),
+        replicas_total=None if run.replicas_total is None else sum(run.replicas_total),
         errors_injected=run.errors_injected,
         unlogged=sum(e is None for e in entries),
         cpu_s=run.cpu_s,
+        missing=list(run.missing),
     )
 
 
@@ -335,6 +346,18 @@ def _f(value: float, digits: int = 1) -> str:
     return "n/a" if not math.isfinite(value) else f"{value:.{digits}f}"
 
 
+def _n(value: int | None) -> str:
+    return "n/a" if value is None else str(value)
+
+
+def missing_report(stats: Mapping[str, Sequence[Stats]]) -> list[str]:
+    """How many readings were missing, and each one with its round and policy."""
+    every = sorted((s for group in stats.values() for s in group), key=lambda s: s.round)
+    lines = [f"readings missing: {sum(len(s.missing) for s in every)}"]
+    lines += [f"- round {s.round} {s.policy}: {m}" for s in every for m in s.missing]
+    return lines
+
+
 def policy_table(summaries: Sequence[Summary], titles: Mapping[str, str]) -> list[str]:
     lines = [
         "| policy | sent req/s | dispatched req/s | attempts / sent | attempts / dispatched | "
@@ -392,10 +415,10 @@ def rounds_table(stats: Mapping[str, Sequence[Stats]]) -> list[str]:
         sims = "+".join(f"{v:.1f}" for k, v in s.cpu_s.items() if k != "self")
         lines.append(
             f"| {s.round} | {s.policy} | {s.sent} | {s.dispatched} | "
-            f"{s.attempts_log}; {s.attempts_replicas} | "
+            f"{s.attempts_log}; {_n(s.attempts_replicas)} | "
             f"{_f(s.per_dispatched_log, 3)}; {_f(s.per_dispatched_replicas, 3)} | {histogram} | "
             f"{s.retried_on_faulty} | {s.ok} | {s.good} | {_f(s.p99_ok_ms, 0)} | "
-            f"{s.log_total} / {s.replicas_total} | "
+            f"{s.log_total} / {_n(s.replicas_total)} | "
             f"{cpu:.1f}; {sims} |"
         )
     return lines

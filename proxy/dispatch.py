@@ -223,6 +223,7 @@ class Dispatcher:
             affinity=affinity,
         )  # fmt: skip
         self.scheduler.push(ticket)
+        self.waits.queued(tenant, priority, model)
         if depth + 1 > self._high_water.get(tenant, 0):
             self._high_water[tenant] = depth + 1
         self.pump()
@@ -373,7 +374,10 @@ class Dispatcher:
         if ticket.observed != OBSERVED_OVERLOAD:  # counted as a refusal already
             self.pressure.waited(ticket.priority, now - ticket.enqueued_at,
                                  ticket.expires_at - ticket.enqueued_at)  # fmt: skip
-        self.waits.started(ticket.id, ticket.tenant, seat.replica, now, ticket.model)
+        self.waits.started(
+            ticket.id, ticket.tenant, seat.replica, now, priority=ticket.priority,
+            model=ticket.model, from_queue=ticket.future is not None,
+        )  # fmt: skip
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)

@@ -1,6 +1,6 @@
 """What admission predicts from: seat time, recent dispatches and usage, output tokens.
 
-Four small estimators, each fed by the request path and read by it (the
+Five small estimators, each fed by the request path and read by it (the
 predictions made from them are in ``waits.py``):
 
 - ``SeatTime``: how long a request holds its replica seat. The serving seats
@@ -13,12 +13,15 @@ predictions made from them are in ``waits.py``):
   a request that names no output limit.
 - ``RecentUsage``: each tenant's decayed share of the dispatched work, which
   decides who may take a headroom seat (below).
+- ``BackloggedTurnover``: how fast a flow's queue actually drains, measured
+  only while that queue has never been empty (below).
 
 Why samples and not rates: a seat time measured during a quiet period is as
 valid as one measured under load, whereas a rate measured over a quiet period
 says how little was asked, not how much can be served (a burst after a pause
 was refused for a rate of a few requests a minute). Rates here are recent
-(seconds), and only ever say what *others* take.
+(seconds), and say what *others* take, or, for ``BackloggedTurnover``, what a
+flow's own queue drains at while it has had a queue the whole time.
 
 No I/O and no clock reads here: callers pass ``now``.
 """
@@ -43,6 +46,11 @@ DEFAULT_OUTPUT_TOKENS = 256
 MAX_OUTPUT_TOKENS_ESTIMATE = 4096
 #: Smoothing of each tenant's mean output tokens (exponentially weighted).
 OUTPUT_TOKENS_ALPHA = 0.1
+#: A flow's drain is measured over its dispatches of the last this many seconds, or
+#: its last ``MIN_BACKLOGGED_DISPATCHES`` if that is longer (a slow flow)...
+BACKLOG_WINDOW_S = 2.0
+#: ...once there are at least this many, all made while its queue stayed non-empty.
+MIN_BACKLOGGED_DISPATCHES = 8
 
 
 class SeatTime:
@@ -86,6 +94,83 @@ class SeatTime:
         mean = self.mean_s
         shown = f"{mean * 1000:.1f} ms" if mean is not None else "none"
         return f"<SeatTime mean {shown} over {len(self._samples)}>"
+
+
+class BackloggedTurnover:
+    """Dispatches per second of each flow, counted only while its queue stays non-empty.
+
+    The capacity the seats give (``SeatTime``) says how fast the *fleet*
+    turns over; how much of that a flow gets under fair queuing depends on
+    the cost of its tickets against the others' (shares are in tokens) and on
+    how the others' queues come and go. While a flow has been backlogged the
+    whole time, the rate its own tickets leave the queue is that share,
+    measured. It must never be a rate measured while the queue was empty or
+    idle (that says how little was asked: the bug of a burst refused after a
+    quiet period), so the record of a flow is dropped whenever its backlog
+    starts afresh (``began``) or its queue empties (a dispatch with nothing
+    left behind it, or a seat granted without queueing). ``rate`` counts the
+    current backlog's dispatches of the last ``BACKLOG_WINDOW_S``, or its last
+    ``MIN_BACKLOGGED_DISPATCHES`` when those span longer (a flow of slow
+    requests), and is None until there are that many. O(1) amortised per
+    dispatch.
+
+        >>> turnover = BackloggedTurnover()
+        >>> turnover.began("t")
+        >>> for i in range(10):
+        ...     turnover.dispatched("t", i * 0.1, still_backlogged=True)
+        >>> turnover.rate("t", 1.0)
+        10.0
+        >>> turnover.dispatched("t", 1.0, still_backlogged=False)
+        >>> turnover.rate("t", 1.0) is None
+        True
+    """
+
+    __slots__ = ("_flows",)
+
+    def __init__(self) -> None:
+        self._flows: dict[object, deque[float]] = {}
+
+    def began(self, flow: object) -> None:
+        """The flow's queue was empty and has a ticket now: nothing before counts."""
+        self._flows.pop(flow, None)
+
+    def dispatched(self, flow: object, now: float, *, still_backlogged: bool) -> None:
+        """A ticket of the flow got a seat; ``still_backlogged``: from its queue, with
+        more of its tickets still queued behind it."""
+        if not still_backlogged:
+            self._flows.pop(flow, None)
+            return
+        times = self._flows.get(flow)
+        if times is None:
+            times = self._flows[flow] = deque()
+        times.append(now)
+        self._trim(times, now)
+
+    def rate(self, flow: object, now: float) -> float | None:
+        """Dispatches per second over the window; None while not measured (see above).
+
+        ``n`` over the time from the window's first dispatch to ``now``: a stall
+        since the last dispatch slows the rate at once.
+        """
+        times = self._flows.get(flow)
+        if times is None or len(times) < MIN_BACKLOGGED_DISPATCHES:
+            return None
+        self._trim(times, now)
+        span = now - times[0]
+        return len(times) / span if span > 0.0 else None
+
+    @staticmethod
+    def _trim(times: deque[float], now: float) -> None:
+        while len(times) > MIN_BACKLOGGED_DISPATCHES and times[0] < now - BACKLOG_WINDOW_S:
+            times.popleft()
+
+    def forget_idle(self, now: float) -> None:
+        """Drop flows with no dispatch in the window (bounded memory)."""
+        for flow in [f for f, t in self._flows.items() if not t or t[-1] < now - BACKLOG_WINDOW_S]:
+            del self._flows[flow]
+
+    def __len__(self) -> int:
+        return len(self._flows)
 
 
 class _Decayed:

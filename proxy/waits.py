@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from proxy.estimators import RecentDispatches, SeatTime
+from proxy.estimators import BackloggedTurnover, RecentDispatches, SeatTime
 
 if TYPE_CHECKING:
     from proxy.replicas import Replica, ReplicaPool
@@ -50,7 +50,7 @@ class Waits:
 
     __slots__ = (
         "_flow", "_members", "_pool", "_pool_of", "_pool_seat_times", "_queue_of", "_recent",
-        "_running", "_scheduler", "seat_time",
+        "_running", "_scheduler", "_turnover", "seat_time",
     )  # fmt: skip
 
     def __init__(
@@ -75,16 +75,34 @@ class Waits:
         #: The model pool of each running request that has one.
         self._pool_of: dict[int, str] = {}
         self._recent = RecentDispatches()
+        #: Each flow's measured drain while backlogged, keyed (model, tenant, priority).
+        self._turnover = BackloggedTurnover()
         #: When each running request got its seat, and where (for the release times).
         self._running: dict[int, tuple[float, Replica]] = {}
 
+    def queued(self, tenant: str, priority: str, model: str | None) -> None:
+        """A ticket joined its flow's queue; the first one starts a new backlog."""
+        if self._queue_of(model).depth_by_class(tenant, priority) == 1:
+            self._turnover.began((model, tenant, priority))
+
     def started(
-        self, ticket_id: int, tenant: str, replica: Replica, now: float, model: str | None = None
+        self,
+        ticket_id: int,
+        tenant: str,
+        replica: Replica,
+        now: float,
+        *,
+        priority: str = "standard",
+        model: str | None = None,
+        from_queue: bool = False,
     ) -> None:
+        """A seat was granted: ``from_queue`` when the ticket waited in its flow's queue."""
         self._running[ticket_id] = (now, replica)
         if model is not None:
             self._pool_of[ticket_id] = model
         self._recent.record(tenant, now)
+        backlogged = from_queue and self._queue_of(model).depth_by_class(tenant, priority) > 0
+        self._turnover.dispatched((model, tenant, priority), now, still_backlogged=backlogged)
 
     def ended(self, ticket_id: int, held_s: float | None) -> None:
         """A seat went back; ``held_s`` is its seat time when it counts (no grace)."""
@@ -107,6 +125,7 @@ class Waits:
 
     def forget_idle(self, now: float) -> None:
         self._recent.forget_idle(now)
+        self._turnover.forget_idle(now)
 
     def _seats(self, model: str | None) -> int:
         members = self._members(model)
@@ -179,7 +198,15 @@ class Waits:
         Neither falls below the flow's share if every recently active tenant
         were backlogged too (each counted as one more flow of its weight):
         that much fair queuing guarantees it. A tenant with a concurrency cap
-        drains no faster than its cap turns over.
+        drains no faster than its cap turns over, and a flow that has stayed
+        backlogged for the last seconds no faster than it was measured to
+        drain then (``BackloggedTurnover``): shares are in tokens, so a flow
+        of long requests gets fewer dispatches than its share of the seats,
+        and at 1x load the share-based rate ran ahead of the flow's real one
+        often enough to let more requests time out than the old estimator.
+        The measured rate only ever lowers the estimate, and only counts while
+        the flow's queue has not emptied: never a rate taken over a quiet
+        period.
         """
         capacity = self.capacity(model)
         if capacity is None:
@@ -197,6 +224,12 @@ class Waits:
         mean = self.seat_time_of(model).mean_s
         if cap and mean:
             flow = min(flow, cap / mean)
+        # Only while the flow is backlogged now: a backlog that ended by expiry or
+        # cancellation left its record behind, and says nothing of a new one.
+        if scheduler.depth_by_class(tenant, priority):
+            measured = self._turnover.rate((model, tenant, priority), now)
+            if measured is not None:
+                flow = min(flow, measured)
         return flow, max(capacity - others, floor)
 
     def estimate(

@@ -1,9 +1,11 @@
-"""Benchmarks survive a missing reading: an engine that does not answer its /metrics,
-answers an error or a page that does not parse is recorded as missing and the run goes on."""
+"""Benchmarks survive a missing reading: an engine that does not answer its /metrics
+(or a simulator its /sim/stats), answers an error or a page that does not parse is
+recorded as missing and the run goes on."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,12 +16,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from bench import retry_storm
 from bench.common import Readings, cpu_flags, cpu_model
 from bench.head_to_head import sim_stats
 from bench.head_to_head_report import Phase, Slo, detail_table, main_table, missing_report
 from bench.head_to_head_report import summarize as summarize_phase
 from bench.head_to_head_traffic import Outcome
 from bench.processes import Server
+from bench.retry_storm_report import Entry, Result, rounds_table, run_stats
+from bench.retry_storm_report import Run as RetryRun
+from bench.retry_storm_report import missing_report as retry_missing_report
 from tests.conftest import ServerFactory
 
 LLAMA_PAGE = (
@@ -113,3 +119,54 @@ def test_cpu_model_and_flags_come_from_cpuinfo(tmp_path: Path) -> None:
     assert flags["all_sha256_12"] is not None and len(flags["all_sha256_12"]) == 12
     assert cpu_flags(tmp_path / "absent") == {"notable": [], "all_sha256_12": None}
     assert cpu_model(tmp_path / "absent")  # platform fallback, never empty
+
+
+@pytest.fixture
+async def sims(aiohttp_server: ServerFactory) -> dict[str, str]:
+    """Two simulator-like replicas: one answers ``/sim/stats``, one answers 503."""
+
+    def stats(behaviour: str) -> web.Application:
+        async def handler(request: web.Request) -> web.Response:
+            if behaviour == "error":
+                return web.Response(status=503, text="busy")
+            return web.json_response({"requests_total": 7, "errors_injected": 3})
+
+        app = web.Application()
+        app.router.add_get("/sim/stats", handler)
+        return app
+
+    return {
+        b: str((await aiohttp_server(stats(b))).make_url("")).rstrip("/") for b in ("ok", "error")
+    }
+
+
+async def test_retry_storm_records_a_missing_sim_stats_reading_and_goes_on(
+    sims: dict[str, str],
+) -> None:
+    """A replica whose /sim/stats fails: the fleet's count is None with the reason kept,
+    and the run's replica figures come out n/a while the access-log ones stand."""
+    readings = Readings(timeout_s=2.0)
+    async with aiohttp.ClientSession() as session:
+        assert await retry_storm._requests_total(session, [sims["ok"]], readings, "before") == [7]
+        fleet = [sims["ok"], sims["error"]]
+        assert await retry_storm._requests_total(session, fleet, readings, "after") is None
+    assert [m.what for m in readings.missing] == ["after (sim-1)"]
+    assert readings.missing[0].reason.startswith("ClientResponseError")
+
+    results = [Result("r0", 1.0, 200, "", 0.1), Result("r1", 1.5, 200, "", 0.2)]
+    log = {"r0": Entry(1, "ok", "", "sim-0"), "r1": Entry(2, "ok", "", "sim-0")}
+    run = RetryRun(
+        policy="budgeted", round=0, rate=2.0, window=(0.0, 2.0), results=results, log=log,
+        replicas_in_window=retry_storm._differences(None, [1, 2]),
+        replicas_total=retry_storm._differences([5, 6], [1, 2]), errors_injected=None,
+        retry_budget_exhausted=0.0, elapsed_s=2.0, missing=[str(readings.missing[0])],
+    )  # fmt: skip
+    stats = run_stats(run, 1000.0, [1000.0], faulty="sim-1")
+    assert stats.attempts_log == 3 and stats.per_dispatched_log == 1.5
+    assert stats.attempts_replicas is None and stats.replicas_total == 8
+    assert math.isnan(stats.per_dispatched_replicas)
+    row = rounds_table({"budgeted": [stats]})[-1]
+    assert "| 3; n/a | 1.500; n/a |" in row and "| 3 / 8 |" in row
+    report = retry_missing_report({"budgeted": [stats]})
+    assert report[0] == "readings missing: 1"
+    assert report[1].startswith("- round 0 budgeted: after (sim-1): n/a (missing: ClientResponse")

@@ -492,3 +492,59 @@ async def test_retries_waiting_for_a_seat_count_in_the_wait_estimate() -> None:
     assert before == pytest.approx(0.1) and after == pytest.approx(0.2)
     d.finish(holder, seat)
     d.release(await retry)
+
+
+async def test_a_flow_of_long_requests_is_predicted_at_its_measured_drain() -> None:
+    """One seat of 0.1 s; tenants a and b both backlogged, a's tickets costing three
+    times b's, so fair queuing (in tokens) gives a one dispatch in four, not the one in
+    two its share of the seats suggests. A new ticket of a is predicted to wait about as
+    long as it then does (the share-based estimate said half, and let it time out);
+    once its backlog has ended, the drain it measured no longer counts."""
+    clock = FakeClock()
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=1000) for t in "ab"}
+    d = make_dispatcher(clock, limits=limits)
+    await _warm(d, clock, 25, held_s=0.1)
+    clock.advance(30.0)  # the warm-up's dispatch rates decay to nothing
+    long_budget = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
+
+    def add(tenant: str, cost: float) -> Ticket:
+        return d.enqueue(tenant, "standard", cost, Deadline.start(clock.now(), long_budget))
+
+    tickets = [add("a", 30.0)]  # takes the seat at once
+    running = tickets[0]
+
+    async def turn(top_up_a: bool) -> None:
+        """The running request ends after 0.1 s; both queues are kept full."""
+        nonlocal running
+        while top_up_a and d.scheduler.depth("a") < 10:
+            tickets.append(add("a", 30.0))
+        while d.scheduler.depth("b") < 40:
+            tickets.append(add("b", 10.0))
+        clock.advance(0.1)
+        d.finish(running, running.seat)
+        running = next(t for t in tickets if t.granted_at == clock.now())
+
+    for _ in range(40):
+        await turn(top_up_a=True)
+    predicted = d.predict_wait("a", "standard", clock.now())
+    mine = add("a", 30.0)
+    tickets.append(mine)
+    for _ in range(200):
+        if mine.seat is not None:
+            break
+        await turn(top_up_a=False)
+    assert mine.granted_at is not None
+    waited = mine.granted_at - mine.enqueued_at
+    assert waited == pytest.approx(4.1, abs=0.25)  # 10 of a's and about 30 of b's ahead
+    assert predicted is not None and 0.9 * waited <= predicted <= 1.25 * waited
+
+    # a's backlog is measured again, then every ticket of it expires: a new ticket of a
+    # starts a new backlog, judged by its share (the release after next, 0.2 s), not by
+    # the drain of the one that ended (twice that).
+    for _ in range(40):
+        await turn(top_up_a=True)
+    for ticket in [t for t in tickets if t.tenant == "a" and t.seat is None]:
+        d._expire(ticket)
+    assert d.scheduler.depth("a") == 0
+    assert d.predict_wait("a", "standard", clock.now()) == pytest.approx(0.2)
+    d.close()

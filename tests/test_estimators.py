@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 
 from proxy.estimators import (
+    BACKLOG_WINDOW_S,
     DEFAULT_OUTPUT_TOKENS,
     MAX_OUTPUT_TOKENS_ESTIMATE,
+    MIN_BACKLOGGED_DISPATCHES,
     RECENT_TAU_S,
+    BackloggedTurnover,
     OutputTokens,
     RecentDispatches,
     SeatTime,
@@ -62,3 +65,31 @@ def test_output_tokens_are_the_tenants_recent_mean(answers: list[int], expected:
         tokens.record("a", count)
     assert tokens.expected("a") == pytest.approx(expected)
     assert tokens.expected("b") == DEFAULT_OUTPUT_TOKENS
+
+
+def test_backlogged_turnover_is_measured_only_while_the_queue_never_empties() -> None:
+    """Ten per second from a queue that stays full reads as ten per second; a minute
+    of sparse requests that each emptied the queue, or a backlog begun afresh,
+    measure nothing: a quiet period's rate is never taken as the drain."""
+    turnover = BackloggedTurnover()
+    now = 0.0
+    for _ in range(60):  # a minute of sparse traffic: each dispatch leaves the queue empty
+        now += 1.0
+        turnover.began("a")
+        turnover.dispatched("a", now, still_backlogged=False)
+    assert turnover.rate("a", now) is None
+    turnover.began("a")
+    for i in range(MIN_BACKLOGGED_DISPATCHES - 1):
+        turnover.dispatched("a", now + 0.1 * i, still_backlogged=True)
+    assert turnover.rate("a", now + 0.7) is None  # too few dispatches yet
+    for i in range(MIN_BACKLOGGED_DISPATCHES - 1, 40):
+        turnover.dispatched("a", now + 0.1 * i, still_backlogged=True)
+    now += 4.0
+    assert turnover.rate("a", now) == pytest.approx(10.0, rel=0.06)  # the last 2 s only
+    # A second's stall since the last dispatch: 10 dispatches in the 2 s window.
+    assert turnover.rate("a", now + 1.0) == pytest.approx(10 / BACKLOG_WINDOW_S, rel=0.1)
+    turnover.began("a")  # the queue emptied (expiry) and a new backlog starts
+    assert turnover.rate("a", now) is None
+    turnover.dispatched("b", now, still_backlogged=True)
+    turnover.forget_idle(now + BACKLOG_WINDOW_S + 1)
+    assert len(turnover) == 0

@@ -1,0 +1,88 @@
+"""The false-refusal benchmark's own instruments: the per-ticket wait trace and the
+noise of the per-request comparison (a second run of the same proxy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.false_refusals import QUEUE_TIMEOUT, REFUSED, Outcome, Run, noise
+from bench.false_refusals_trace import install, summary
+from proxy.admitted import Deadline
+from proxy.clock import FakeClock
+from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.errors import PredictedWaitExceedsBudget, QueueTimeout
+from proxy.replicas import Replica, ReplicaPool
+from proxy.scheduler import FairScheduler
+from proxy.settings import BudgetsConfig, ReplicaConfig
+
+BUDGETS = BudgetsConfig(queue_ms=1000, first_byte_ms=1000, total_ms=5000)
+
+
+def _run(*outcomes: tuple[int, str]) -> Run:
+    return Run("normal", [Outcome(status, reason) for status, reason in outcomes])
+
+
+def test_noise_counts_what_one_run_refused_and_the_other_served() -> None:
+    """Four requests: the first run refuses #1 and #2, the second serves #1 and refuses
+    #2 and #3 while the first served #3: one each way, 25% of the requests."""
+    served, refused, timed_out = (200, ""), (503, REFUSED), (503, QUEUE_TIMEOUT)
+    first = _run(served, refused, refused, served)
+    second = _run(served, served, refused, refused)
+    assert noise(first, second) == {
+        "refused_first_served_second": 1,
+        "refused_second_served_first": 1,
+        "noise_pct": 25.0,
+    }
+    assert noise(first, first)["noise_pct"] == 0.0
+    assert noise(_run(refused), _run(timed_out))["noise_pct"] == 0.0  # not served either way
+
+
+async def test_the_trace_writes_each_tickets_prediction_and_fate(tmp_path: Path) -> None:
+    """One seat of 0.1 s, warmed so the estimator predicts, then a slow request: an
+    immediate grant, a queued ticket granted after 0.3 s (0.1 s predicted), one that
+    expires (0.2 s predicted) and one refused (0.3 s) each write a line with the wait
+    predicted when it arrived; uninstalling restores the dispatcher."""
+    original = Dispatcher.enqueue_in
+    trace = tmp_path / "trace.jsonl"
+    uninstall = install(trace)
+    try:
+        clock = FakeClock()
+        replica = Replica(ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=1))
+        limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
+        d = Dispatcher(ReplicaPool([replica]), FairScheduler({"standard": 1.0}), clock, limits)
+
+        for _ in range(25):
+            warm = d.enqueue("a", "standard", 10.0, Deadline.start(clock.now(), BUDGETS))
+            seat = await d.wait(warm)
+            clock.advance(0.1)
+            d.finish(warm, seat)
+        holder = d.enqueue("a", "standard", 10.0, Deadline.start(clock.now(), BUDGETS))
+        queued = d.enqueue("a", "standard", 10.0, Deadline.start(clock.now(), BUDGETS))
+        short = BudgetsConfig(queue_ms=250, first_byte_ms=1000, total_ms=5000)
+        expiring = d.enqueue("a", "standard", 10.0, Deadline.start(clock.now(), short))
+        with pytest.raises(PredictedWaitExceedsBudget):  # 0.3 s expected
+            d.enqueue("a", "standard", 10.0, Deadline.start(clock.now(), short))
+        clock.advance(0.3)  # the holder is slow: 0.3 s, not the 0.1 s seen so far
+        d.finish(holder, await d.wait(holder))  # the queued ticket gets the seat
+        seat = await d.wait(queued)
+        clock.advance(0.1)
+        d.finish(queued, seat)  # 0.4 s: the 250 ms ticket is past its budget
+        with pytest.raises(QueueTimeout):
+            await d.wait(expiring)
+    finally:
+        uninstall()
+    assert Dispatcher.enqueue_in is original
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    tail = {line["outcome"]: line for line in lines[25:]}
+    assert [line["outcome"] for line in lines[:25]] == ["immediate"] * 25
+    assert lines[0]["predicted_s"] is None  # no seat time yet
+    assert sorted(tail) == ["granted", "immediate", REFUSED, QUEUE_TIMEOUT]
+    assert tail["granted"]["predicted_s"] == pytest.approx(0.1)
+    assert tail["granted"]["wait_s"] == pytest.approx(0.3)
+    assert tail[QUEUE_TIMEOUT]["predicted_s"] == pytest.approx(0.2)  # the seat's second turn
+    assert tail[QUEUE_TIMEOUT]["wait_s"] == pytest.approx(0.4)
+    assert tail[REFUSED]["predicted_s"] == pytest.approx(0.3) and "wait_s" not in tail[REFUSED]
+    assert summary(lines)["predicted_within_budget_but_timed_out"] == 1
