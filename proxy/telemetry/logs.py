@@ -97,6 +97,8 @@ def access_fields(record: RequestRecord, trace_id: str | None) -> dict[str, Any]
         "model": record.model,
         "input_tokens": record.input_tokens,
         "output_tokens": record.output_tokens,
+        "quota_charged_tokens": record.quota_charged_tokens,
+        "quota_actual_tokens": record.quota_actual_tokens,
     }
 
 
@@ -159,7 +161,9 @@ class AccessLog:
             f'"attempts": {r.attempts!r}, "replica": {_text(r.replica)}, '
             f'"model": {_text(r.model)}, '
             f'"input_tokens": {_number(r.input_tokens)}, '
-            f'"output_tokens": {_number(r.output_tokens)}}}\n'
+            f'"output_tokens": {_number(r.output_tokens)}, '
+            f'"quota_charged_tokens": {_number(r.quota_charged_tokens)}, '
+            f'"quota_actual_tokens": {_number(r.quota_actual_tokens)}}}\n'
         )
         pending = self._pending
         if pending is None:
