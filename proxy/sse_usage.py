@@ -21,7 +21,7 @@ import json
 import re
 
 #: ``"usage":null`` with the comma that joins it to its neighbour (after or before it).
-_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,')
+_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 _SEPARATOR = b"\n\n"
 
 
