@@ -204,9 +204,8 @@ async def test_page_shows_token_quota_use(
     proxy = await start_proxy(make_config([s.url for s in sims], tenants=tenants, health=HEALTH))
     await traffic(proxy.url, KEY_A, 4)
     await wait_for(lambda: not proxy.runtime.active, timeout_s=10)
-    async with aiohttp.ClientSession() as session:
-        async with session.get(proxy.url + "/admin/state") as response:
-            used = (await response.json())["tenants"]["a"]["quota"]["used"]
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/admin/state") as r:
+        used = (await r.json())["tenants"]["a"]["quota"]["used"]
     assert used > 0
     await asyncio.to_thread(driver.get, proxy.url + "/admin/ui")
     await until(driver, lambda d: d.find_elements(By.CSS_SELECTOR, 'tr[data-tenant="a"]'))
