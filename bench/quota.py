@@ -178,7 +178,7 @@ async def cost(args: argparse.Namespace, running: dict[str, Server]) -> list[Run
 
 def cost_summary(runs: Sequence[Run]) -> dict[str, Any]:
     def median(target: str, field: str) -> float:
-        return statistics.median(getattr(r, field) for r in runs if r.target == target)
+        return float(statistics.median(getattr(r, field) for r in runs if r.target == target))
 
     by_round: dict[int, dict[str, Run]] = {}
     for r in runs:
