@@ -374,3 +374,39 @@ async def test_day_rollover_refills_the_day_and_the_gauge(
     assert state["tenants"]["a"]["quota"]["used"] == 0
     text = await (await proxy.client.get("/metrics")).text()
     assert 'admission_quota_remaining_tokens{tenant="a",window="day"} 500.0' in text
+
+
+async def test_refused_after_the_charge_is_refunded(
+    start_proxy: Start, engine_url: str, clock: FakeClock
+) -> None:
+    """Charged, then refused by the queue stage (every replica drained: 503
+    no_healthy_replica): nothing is used, and the refusal's headers say so."""
+    log = io.StringIO()
+    config = quota_config(engine_url, {"per_day": 1000})
+    proxy = await start_proxy(config, quota_clock=clock, access_log=log)
+    assert (await proxy.client.post("/admin/replicas/r0/drain")).status == 200
+    body = {"messages": [], "max_tokens": 50}
+    status, headers, _ = await chat(proxy, body)
+    assert status == 503 and headers["X-Admission-Reason"] == "no_healthy_replica"
+    assert headers["x-ratelimit-remaining-tokens"] == "1000"
+    await wait_for(lambda: bool(log.getvalue()))
+    line = json.loads(log.getvalue())
+    assert (line["quota_charged_tokens"], line["quota_actual_tokens"]) == (estimate_of(body, 50), 0)
+    proxy.assert_idle()
+
+
+async def test_embeddings_are_estimated_without_output(
+    start_proxy: Start, engine_url: str, clock: FakeClock
+) -> None:
+    """An embeddings request generates nothing: charged its prompt estimate only."""
+    log = io.StringIO()
+    proxy = await start_proxy(
+        quota_config(engine_url, {"per_day": 1000}), quota_clock=clock, access_log=log
+    )
+    body = {"input": "x" * 400}
+    response = await proxy.client.post(
+        "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+    )
+    assert response.status == 200
+    await wait_for(lambda: bool(log.getvalue()))
+    assert json.loads(log.getvalue())["quota_charged_tokens"] == len(json.dumps(body)) // 4
