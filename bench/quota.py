@@ -100,11 +100,11 @@ class ChargeAtEnd:
         probe = await self._inner.charge(tenant, 1, limits)
         if isinstance(probe, QuotaRefused):
             return probe
-        await self._inner.correct(probe, 0)
-        return Charge(tenant, 0, probe.day, limits)
+        left = await self._inner.correct(probe, 0)
+        return Charge(tenant, 0, probe.day, limits, left)
 
-    async def correct(self, charge: Charge, actual: int) -> None:
-        await self._inner.correct(charge, actual)
+    async def correct(self, charge: Charge, actual: int) -> QuotaRemaining:
+        return await self._inner.correct(charge, actual)
 
     async def remaining(self, tenant: str, limits: QuotaLimits) -> QuotaRemaining:
         return await self._inner.remaining(tenant, limits)

@@ -149,7 +149,10 @@ class TokenQuotas:
     ) -> tuple[Charge | QuotaRefused, QuotaRemaining]:
         """Charge ``estimate`` when it fits (nothing otherwise), and what is left after."""
         outcome = await self.store.charge(tenant, estimate, limits)
-        return outcome, await self.remaining(tenant, limits)
+        if outcome.remaining is None:
+            return outcome, await self.remaining(tenant, limits)
+        self._saw(tenant, limits, outcome.remaining)
+        return outcome, outcome.remaining
 
     async def settle(self, held: Held, actual: int) -> QuotaRemaining | None:
         """Correct the charge to ``actual``, once; None when already settled."""
@@ -157,14 +160,17 @@ class TokenQuotas:
             return None
         held.actual = actual
         charge = held.charge
-        if actual != charge.tokens:
-            await self.store.correct(charge, actual)
-        return await self.remaining(charge.tenant, charge.limits)
+        remaining = await self.store.correct(charge, actual)
+        self._saw(charge.tenant, charge.limits, remaining)
+        return remaining
 
     async def remaining(self, tenant: str, limits: QuotaLimits) -> QuotaRemaining:
         remaining = await self.store.remaining(tenant, limits)
-        self._seen[tenant] = QuotaSeen(limits, remaining, self._clock.now())
+        self._saw(tenant, limits, remaining)
         return remaining
+
+    def _saw(self, tenant: str, limits: QuotaLimits, remaining: QuotaRemaining) -> None:
+        self._seen[tenant] = QuotaSeen(limits, remaining, self._clock.now())
 
     def use(self, tenant: str, limits: QuotaLimits | None) -> dict[str, Any] | None:
         """``/admin/state``'s ``quota`` of a tenant: per window its limit, use and what is left."""
