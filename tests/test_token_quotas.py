@@ -233,7 +233,9 @@ async def test_concurrent_requests_never_overrun_the_quota(
         quota_clock=clock,
     )
     tasks = [asyncio.ensure_future(chat(proxy, body)) for _ in range(20)]
-    await wait_for(lambda: engine.waiting == 10 and sum(t.done() for t in tasks) == 10)
+    await wait_for(
+        lambda: engine.waiting == 10 and sum(t.done() for t in tasks) == 10, timeout_s=30
+    )
     engine.gate.set()
     statuses = sorted(status for status, _, _ in await asyncio.gather(*tasks))
     assert statuses == [200] * 10 + [429] * 10
