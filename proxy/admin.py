@@ -37,8 +37,10 @@ from proxy.errors import (
 from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import ConfigError, dump_effective_config
+from proxy.state.quota import QuotaLimits
 from proxy.telemetry.history import HISTORY
 from proxy.telemetry.metrics import PressureCollector, StateCollector, StateSnapshot
+from proxy.token_quota import limits_of
 from proxy.ui import add_ui_routes
 
 log = structlog.get_logger(__name__)
@@ -82,7 +84,23 @@ def state_snapshot(runtime: Runtime) -> StateSnapshot:
     for model, value in runtime.dispatcher.scheduler.depth_by_model().items():
         label = model_labels(model)
         by_model[label] = by_model.get(label, 0) + value
-    return StateSnapshot(depth, high, replicas, gpus, headroom, by_model)
+    quota: dict[tuple[str, str], int] = {}
+    for (name, window), value in runtime.token_quotas.remaining_by_window(
+        quota_limits(runtime)
+    ).items():
+        key = (labels(name), window)
+        quota[key] = quota.get(key, 0) + value
+    return StateSnapshot(depth, high, replicas, gpus, headroom, by_model, quota)
+
+
+def quota_limits(runtime: Runtime) -> dict[str, QuotaLimits]:
+    """Each tenant's token quota limits, for tenants that have one."""
+    limits = {}
+    for name, tenant in runtime.rules.config.tenants.items():
+        quota = limits_of(tenant.token_quota.per_minute, tenant.token_quota.per_day)
+        if quota is not None:
+            limits[name] = quota
+    return limits
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -266,6 +284,9 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
             "queue_capacity": t.queue_capacity,
             "priority": t.priority,
             "rate_per_s": t.rate_per_s,
+            "quota": runtime.token_quotas.use(
+                name, limits_of(t.token_quota.per_minute, t.token_quota.per_day)
+            ),
         }
         for name, t in runtime.rules.config.tenants.items()
     }

@@ -15,8 +15,12 @@ request was admitted under. No I/O and no clock reads here: callers pass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from proxy.settings import BudgetsConfig
+
+if TYPE_CHECKING:
+    from proxy.token_quota import Held
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +98,9 @@ class Admitted:
     affinity: int | None = None
     #: ``overload``: what was degraded (``max_tokens``): the answer says so in a header.
     degraded: str | None = None
+    #: The token-quota charge to settle when the request ends (``quota_gate.py``).
+    held: Held | None = None
+    #: The proxy asked for the stream's usage: the relay removes what that added.
+    strip_usage: bool = False
+    #: ``x-ratelimit-*`` headers for the answer (tenants with a quota or ``rate_per_s``).
+    ratelimit: dict[str, str] | None = None

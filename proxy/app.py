@@ -33,6 +33,7 @@ from proxy.retries import RetryBudget, RetryPolicy
 from proxy.runtime import RUNTIME, Rules, Runtime, configure_models
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
+from proxy.state.quota import LocalTokenQuotas, TokenQuotaStore, WallClock
 from proxy.tasks import stop
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import FakeGpuProbe, GpuProbe, GpuSampler, NvmlProbe
@@ -41,6 +42,7 @@ from proxy.telemetry.logs import FLUSH_INTERVAL_S, AccessLog, flush_logs
 from proxy.telemetry.metrics import Metrics, TenantLabels
 from proxy.telemetry.tracing import Tracing, provider_from_env
 from proxy.tls import tls_by_replica
+from proxy.token_quota import TokenQuotas
 from proxy.upstream import make_session
 
 SessionFactory = Callable[[Config], aiohttp.ClientSession]
@@ -78,8 +80,16 @@ def build_runtime(
     tracer_provider: TracerProvider | None = None,
     predictive_rejection: bool = True,
     gpu: GpuProbe | None = None,
+    quota_clock: Clock | None = None,
+    quota_store: TokenQuotaStore | None = None,
 ) -> Runtime:
-    """Every part first, then one frozen ``Runtime`` holding them."""
+    """Every part first, then one frozen ``Runtime`` holding them.
+
+    ``quota_clock``: seconds since the epoch for the token quotas' minute and
+    UTC day (tests move a fake one); the wall clock by default. ``quota_store``:
+    where the token quotas' counters live; in memory (``LocalTokenQuotas``) by
+    default.
+    """
     clock = clock or MonotonicClock()
     rules = Rules.from_config(config)
     tls = tls_by_replica(config.replicas)
@@ -123,9 +133,12 @@ def build_runtime(
 
     probe = gpu if gpu is not None else FakeGpuProbe()
     sampler = GpuSampler(probe, gpu_guard, config.gpu.sample_ms / 1000.0)
+    # The token quotas' store: in memory for one process (state.backend local).
+    wall = quota_clock or WallClock()
+    token_quotas = TokenQuotas(quota_store or LocalTokenQuotas(wall), wall)
     return Runtime(
         rules, clock, pool, dispatcher, quotas, telemetry, health, retry_policy, retry_budget,
-        sampler, models=models,
+        sampler, models=models, token_quotas=token_quotas,
     )  # fmt: skip
 
 
@@ -140,6 +153,8 @@ def build_app(
     tracer_provider: TracerProvider | None = None,
     config_path: str | None = None,
     predictive_rejection: bool = True,
+    quota_clock: Clock | None = None,
+    quota_store: TokenQuotaStore | None = None,
 ) -> web.Application:
     """The proxy as an aiohttp application (not yet started).
 
@@ -163,6 +178,8 @@ def build_app(
         tracer_provider=provider,
         predictive_rejection=predictive_rejection,
         gpu=probe,
+        quota_clock=quota_clock,
+        quota_store=quota_store,
     )
     # The entrance enforces max_body_bytes itself, with the contract's 413 answer.
     app = web.Application(client_max_size=config.server.max_body_bytes + 1)

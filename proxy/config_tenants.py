@@ -7,7 +7,7 @@ through ``config_rules.tenant_problems``; here is what one tenant checks alone.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -30,6 +30,7 @@ __all__ = [
     "ApiKey",
     "BudgetOverrides",
     "TenantConfig",
+    "TokenQuotaConfig",
 ]
 
 ANONYMOUS_REJECT = "reject"
@@ -63,6 +64,23 @@ class BudgetOverrides(Section):
     total_ms: int | None = Field(default=None, gt=0)
 
 
+class TokenQuotaConfig(Section):
+    """A tenant's token quotas; ``None``: no limit of that kind (docs/REFERENCE.md, token quotas).
+
+    ``per_minute`` is a bucket of that many tokens refilling continuously over
+    a minute, ``per_day`` a count per UTC calendar day. ``count`` says which
+    tokens are charged: ``total`` (prompt and completion) or ``completion``.
+    """
+
+    per_minute: int | None = Field(default=None, ge=1)
+    per_day: int | None = Field(default=None, ge=1)
+    count: Literal["total", "completion"] = "total"
+
+    @property
+    def enabled(self) -> bool:
+        return self.per_minute is not None or self.per_day is not None
+
+
 class TenantConfig(Section):
     """One tenant: its keys, class, fair-share weight, quotas and budget overrides."""
 
@@ -77,6 +95,7 @@ class TenantConfig(Section):
     budgets: BudgetOverrides = BudgetOverrides()
     #: Models (or aliases) this tenant may use; ``None``: every model.
     allowed_models: tuple[ModelName, ...] | None = None
+    token_quota: TokenQuotaConfig = TokenQuotaConfig()
 
     @model_validator(mode="after")
     def _check_burst_has_rate(self) -> TenantConfig:

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -46,6 +47,7 @@ from proxy.errors import (
     RateLimited,
     RouteNotAllowed,
     ShuttingDown,
+    TokenQuotaExceeded,
     Unauthenticated,
 )
 from proxy.estimators import DEFAULT_OUTPUT_TOKENS
@@ -53,6 +55,7 @@ from proxy.exchange import Exchange
 from proxy.models import ModelRefusal
 from proxy.observe import would
 from proxy.paths import forwardable, normalise_path
+from proxy.quota_gate import admit_tokens, refusal_headers, settle, settled_headers
 from proxy.record import RequestRecord
 from proxy.runtime import RUNTIME, Rules, Runtime
 from proxy.settings import ANONYMOUS_REJECT, hash_api_key
@@ -87,8 +90,10 @@ def retry_after_header(seconds: float) -> str:
     return str(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(seconds))))
 
 
-def error_response(err: ProxyError, record: RequestRecord) -> web.Response:
-    headers = {"Server-Timing": record.server_timing()}
+def error_response(
+    err: ProxyError, record: RequestRecord, extra: dict[str, str] | None = None
+) -> web.Response:
+    headers = {"Server-Timing": record.server_timing(), **(extra or {})}
     if record.degraded is not None:
         headers[DEGRADED_HEADER] = record.degraded
     return error_answer(err, record.request_id, headers)
@@ -100,7 +105,10 @@ def error_answer(
     """Section 6's error answer: the JSON body, ``X-Request-Id``, ``X-Admission-Reason``."""
     body = {"error": {"message": err.message, "type": "admission_error", "code": err.reason}}
     headers = {**(headers or {}), "X-Request-Id": request_id, "X-Admission-Reason": err.reason}
-    if err.status in (429, 503):
+    if isinstance(err, TokenQuotaExceeded) and err.window == "day":
+        # Until 00:00 UTC: the one Retry-After that may exceed 60 s.
+        headers["Retry-After"] = str(max(RETRY_AFTER_MIN_S, math.ceil(err.retry_after_s or 1.0)))
+    elif err.status in (429, 503):
         headers["Retry-After"] = retry_after_header(err.retry_after_s or 1.0)
     if isinstance(err, ShuttingDown):
         headers["Connection"] = "close"
@@ -145,13 +153,19 @@ async def handle(request: web.Request) -> web.StreamResponse:
     record.trace = runtime.telemetry.tracing.start_request(request.headers, record)
     runtime.enter(record)
     exchange: Exchange | None = None
+    admitted: Admitted | None = None
     try:
         admitted = await _admit(request, rules, runtime, record)
         exchange = Exchange(request, admitted, rules, runtime, record)
-        return await exchange.run()
+        response = await exchange.run()
+        if admitted.held is not None and not response.prepared:
+            # A whole answer, not sent yet: its headers can count its real usage.
+            await _settle(runtime, admitted, exchange, record, response.headers)
+        return response
     except ProxyError as err:
         record.fail(err)
-        return error_response(err, record)
+        limits = await _refusal_limits(runtime, rules, record, admitted, exchange)
+        return error_response(err, record, limits)
     except asyncio.CancelledError:
         # A client that left after the whole answer (at ``data: [DONE]``,
         # before the chunked terminator) was served, not cancelled.
@@ -164,11 +178,54 @@ async def handle(request: web.Request) -> web.StreamResponse:
         record.fail(internal)
         return error_response(internal, record)
     finally:
+        if admitted is not None and admitted.held is not None and not admitted.held.settled:
+            await _settle(runtime, admitted, exchange, record, None)
         if runtime.grace_over and record.outcome == "cancelled":
             record.cut_by_shutdown()  # the proxy closed the connection, not the client
         runtime.leave(record)
         record.end(runtime.clock.now())
         runtime.telemetry.request_ended(record)
+
+
+async def _settle(
+    runtime: Runtime,
+    admitted: Admitted,
+    exchange: Exchange | None,
+    record: RequestRecord,
+    headers: MutableMapping[str, str] | None,
+) -> None:
+    """The charge corrected to the real usage, once; ``headers`` then count it."""
+    held = admitted.held
+    assert held is not None
+    remaining = await settle(
+        runtime.token_quotas, held, exchange.relayed if exchange is not None else None
+    )
+    record.quota_actual_tokens = held.actual
+    if remaining is not None and headers is not None:
+        limits = dict(admitted.ratelimit or {})
+        settled_headers(held, remaining, limits)
+        headers.update(limits)
+
+
+async def _refusal_limits(
+    runtime: Runtime,
+    rules: Rules,
+    record: RequestRecord,
+    admitted: Admitted | None,
+    exchange: Exchange | None,
+) -> dict[str, str] | None:
+    """The ``x-ratelimit-*`` headers of a refused inference request of a limited tenant."""
+    tenant = rules.config.tenants.get(record.tenant)
+    if tenant is None or (tenant.rate_per_s is None and not tenant.token_quota.enabled):
+        return None
+    path = record.path
+    if (path[:-1] if path.endswith("/") and len(path) > 1 else path) not in INFERENCE_PATHS:
+        return None
+    if admitted is not None and admitted.held is not None:
+        headers: dict[str, str] = {}
+        await _settle(runtime, admitted, exchange, record, headers)
+        return {**(admitted.ratelimit or {}), **headers}
+    return await refusal_headers(runtime.token_quotas, runtime.quotas, record.tenant, tenant)
 
 
 async def _admit(
@@ -236,9 +293,22 @@ async def _admit(
         affinity = affinity_key(
             doc, headers, header=routing.affinity_header, prefix_chars=routing.affinity_prefix_chars
         )
-    record.entrance_done = runtime.clock.now()
     if runtime.shutting_down:  # seatless requests included: nothing new starts
+        record.entrance_done = runtime.clock.now()
         raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
+    expected_output = runtime.output_tokens.expected(tenant)
+    cost = estimate_cost(body, doc, expected_output)
+    gate = None
+    limited = tenant_config.token_quota.enabled or tenant_config.rate_per_s is not None
+    if inference and not seatless and limited:
+        gate = await admit_tokens(
+            runtime.token_quotas, runtime.quotas, tenant, tenant_config, route, doc, body,
+            expected_output, model,
+        )  # fmt: skip
+        body = gate.body
+        if gate.held is not None:
+            record.quota_charged_tokens = gate.held.charge.tokens
+    record.entrance_done = runtime.clock.now()
     return Admitted(
         tenant=tenant,
         priority=priority,
@@ -247,13 +317,16 @@ async def _admit(
         streaming=streaming,
         seatless=seatless,
         inference=inference,
-        cost=estimate_cost(body, doc, runtime.output_tokens.expected(tenant)),
+        cost=cost,
         path_qs=path + "?" + query if (query := request.rel_url.raw_query_string) else path,
         model=model,
         pool=pool,
         listing=listing,
         affinity=affinity,
         degraded=record.degraded,
+        held=gate.held if gate is not None else None,
+        strip_usage=gate is not None and gate.strip_usage,
+        ratelimit=gate.headers if gate is not None else None,
     )
 
 

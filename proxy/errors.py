@@ -18,6 +18,7 @@ translates aiohttp's client errors into them.
     │   ├── MethodNotAllowed           405 method_not_allowed (reserved paths)
     │   ├── BodyTooLarge               413 body_too_large
     │   ├── RateLimited                429 rate_limited
+    │   ├── TokenQuotaExceeded         429 token_quota_exceeded
     │   ├── TenantQueueFull            429 tenant_queue_full
     │   ├── TenantConcurrency          429 tenant_concurrency
     │   ├── PredictedWaitExceedsBudget 503 predicted_wait_exceeds_budget
@@ -136,6 +137,21 @@ class BodyTooLarge(Rejected):
 class RateLimited(Rejected):
     status = 429
     reason = "rate_limited"
+
+
+class TokenQuotaExceeded(Rejected):
+    """The request's token estimate does not fit its tenant's ``token_quota``.
+
+    ``window`` says which quota refused it; a ``day`` refusal's Retry-After is
+    the time to 00:00 UTC, the one Retry-After not clamped to 60 s.
+    """
+
+    status = 429
+    reason = "token_quota_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float, window: str) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.window = window
 
 
 class TenantQueueFull(Rejected):

@@ -302,10 +302,12 @@ class Exchange:
 
     async def _relay(self, committed: Committed) -> web.StreamResponse:
         record = self.record
-        status = record.status = committed.status
+        status = record.status = self.relayed.status = committed.status
         extra = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
         if self.admitted.degraded is not None:
             extra[DEGRADED_HEADER] = self.admitted.degraded
+        if self.admitted.ratelimit:
+            extra.update(self.admitted.ratelimit)
         if not 200 <= status < 300:
             extra["X-Admission-Reason"] = "upstream_status"
             record.outcome, record.reason = "failed", "upstream_status"
@@ -317,6 +319,7 @@ class Exchange:
             idle_s=self.rules.config.timeouts.idle_ms / 1000.0, extra_headers=extra,
             relayed=self.relayed,
             on_upstream_done=self._upstream_finished if self.ticket is not None else None,
+            strip_usage=self.admitted.strip_usage,
         )  # fmt: skip
 
 

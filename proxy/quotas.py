@@ -39,6 +39,11 @@ class TokenBucket:
             return 0.0
         return (1.0 - self._tokens) / self.rate
 
+    def level(self) -> float:
+        """Tokens in the bucket now (the ``x-ratelimit-remaining-requests`` header)."""
+        self._refill()
+        return self._tokens
+
     def reconfigure(self, rate_per_s: float, burst: float) -> None:
         """A reload changes the rate at once, keeping the tokens already earned."""
         self._refill()
@@ -72,6 +77,9 @@ class EntranceQuotas:
                 bucket.reconfigure(rate, burst)
             buckets[tenant] = bucket
         self._buckets = buckets
+
+    def bucket(self, tenant: str) -> TokenBucket | None:
+        return self._buckets.get(tenant)
 
     def try_take(self, tenant: str) -> float:
         bucket = self._buckets.get(tenant)

@@ -51,6 +51,9 @@ class RequestRecord:
     timeout_layer: str | None = None
     input_tokens: int | None = None
     output_tokens: int | None = None
+    #: Token quota: the estimate charged at admission, and what it was corrected to.
+    quota_charged_tokens: int | None = None
+    quota_actual_tokens: int | None = None
     engine_queue_ms: float | None = None
     engine_inference_ms: float | None = None
     retry_reasons: list[str] = field(default_factory=list)

@@ -30,6 +30,7 @@ from proxy.clock import Clock
 from proxy.errors import ProxyError
 from proxy.record import RequestRecord
 from proxy.sse import SseMeter, usage_from_body
+from proxy.sse_usage import UsageStripper
 from proxy.upstream import Committed, read_chunk
 
 #: Headers that describe one connection, not the message (RFC 9110 section 7.6.1).
@@ -57,6 +58,8 @@ class Relayed:
     """
 
     ending: Ending = "relaying"
+    #: The status of the replica's answer being relayed (0: none yet).
+    status: int = 0
     #: The replica's answer was read to its end: its seat needs no cancel grace.
     upstream_done: bool = False
     input_tokens: int | None = None
@@ -140,6 +143,7 @@ async def relay(
     extra_headers: dict[str, str],
     relayed: Relayed,
     on_upstream_done: Callable[[], None] | None = None,
+    strip_usage: bool = False,
 ) -> web.StreamResponse:
     """Stream the committed upstream answer to the client (``relay_whole`` first, when whole).
 
@@ -147,7 +151,9 @@ async def relay(
     on ``record`` and ``relayed`` and ends the answer; a client that left is
     recorded as cancelled. ``on_upstream_done`` runs once the replica's answer has ended,
     before the last bytes are flushed to the client: the replica's seat is
-    free from then on, however slowly the client reads.
+    free from then on, however slowly the client reads. ``strip_usage``: the
+    proxy asked for this stream's usage (``usage_request.py``); what that added
+    is removed from what the client gets (``sse_usage.UsageStripper``).
     """
     upstream = committed.response
     _engine_headers(upstream.headers, record)
@@ -156,6 +162,9 @@ async def relay(
     is_sse = upstream.content_type == "text/event-stream"
     meter = SseMeter() if is_sse else None
     kept = bytearray() if not is_sse else None
+    strip = UsageStripper() if strip_usage and is_sse else None
+    if strip is not None:
+        headers.popall("Content-Length", None)  # the client gets fewer bytes
 
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     chunk = committed.first_chunk
@@ -169,11 +178,16 @@ async def relay(
                     relayed.upstream_done = True
             elif kept is not None and len(kept) + len(chunk) <= USAGE_SCAN_LIMIT:
                 kept += chunk
-            await response.write(chunk)
+            if strip is None:
+                await response.write(chunk)
+            elif out := strip.feed(chunk):
+                await response.write(out)
             chunk = await read_chunk(upstream, deadline, clock, idle_s)
         relayed.upstream_done = True
         if on_upstream_done is not None:
             on_upstream_done()
+        if strip is not None and (rest := strip.flush()):
+            await response.write(rest)
         await response.write_eof()
         relayed.ending = "completed"
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError included
@@ -192,6 +206,7 @@ async def relay(
     finally:
         committed.close()
         if meter is not None:
+            meter.finish()
             record.first_token_at = meter.first_token_at
             record.input_tokens = meter.input_tokens or record.input_tokens
             record.output_tokens = meter.output_tokens or meter.content_events or None

@@ -25,8 +25,10 @@ from proxy.quotas import EntranceQuotas
 from proxy.replicas import ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
 from proxy.settings import BudgetsConfig, Config
+from proxy.state.quota import LocalTokenQuotas, WallClock
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import GpuSampler
+from proxy.token_quota import TokenQuotas
 from proxy.upstream import upstream_timeout
 
 
@@ -94,6 +96,11 @@ class Runtime:
     output_tokens: OutputTokens = field(default_factory=OutputTokens)
     #: Which replicas serve which model (static ``models`` and discovery).
     models: ModelTable = field(default_factory=lambda: ModelTable({}, {}))
+    #: Token quotas (``token_quota.py``); their counters live in its store, so a
+    #: reload, which only swaps the limits, keeps every tenant's use.
+    token_quotas: TokenQuotas = field(
+        default_factory=lambda: TokenQuotas(LocalTokenQuotas(), WallClock())
+    )
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)

@@ -8,7 +8,9 @@ not a role-only delta, not a ``:`` keep-alive comment (docs/REFERENCE.md).
 
 Only events before the first token and events that carry ``usage`` are
 decoded as JSON; after the first token the rest are counted by a cheap prefix
-check, which keeps the relay's cost per event small.
+check, which keeps the relay's cost per event small. The last event is kept
+and decoded once at the end (``finish``) when no ``usage`` came: that is
+where TGI puts its ``details`` and llama.cpp its ``timings``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class SseMeter:
 
     __slots__ = (
         "_buffer",
+        "_last",
         "content_events",
         "done",
         "first_token_at",
@@ -58,6 +61,7 @@ class SseMeter:
 
     def __init__(self) -> None:
         self._buffer = b""
+        self._last = b""
         self.first_token_at: float | None = None
         self.content_events = 0
         self.input_tokens: int | None = None
@@ -84,6 +88,7 @@ class SseMeter:
             return
         if self.first_token_at is not None and b'"usage"' not in payload:
             self.content_events += 1
+            self._last = payload
             return
         try:
             event = json.loads(payload)
@@ -108,6 +113,26 @@ class SseMeter:
         details = event.get("details")  # TGI's final event
         if isinstance(details, dict) and isinstance(details.get("generated_tokens"), int):
             self.output_tokens = details["generated_tokens"]
+
+    def finish(self) -> None:
+        """The stream ended: read the engine's own counts from its last event when no
+        ``usage`` came (TGI's ``details``; llama.cpp's ``timings``, whose prompt is
+        the tokens processed plus those taken from its cache)."""
+        if self.output_tokens is not None or not self._last:
+            return
+        try:
+            event = json.loads(self._last)
+        except ValueError:
+            return
+        self._usage(event)
+        timings = event.get("timings") if isinstance(event, dict) else None
+        if self.output_tokens is None and isinstance(timings, dict):
+            predicted, processed = timings.get("predicted_n"), timings.get("prompt_n")
+            if isinstance(predicted, int):
+                self.output_tokens = predicted
+            if isinstance(processed, int):
+                cached = timings.get("cache_n")
+                self.input_tokens = processed + (cached if isinstance(cached, int) else 0)
 
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')

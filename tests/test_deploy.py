@@ -74,6 +74,7 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         "counter",
         frozenset({"tenant", "priority", "degradation"}),
     ),
+    "admission_quota_remaining_tokens": ("gauge", frozenset({"tenant", "window"})),
 }
 #: Labels Prometheus adds to every scraped series, and the histogram bucket label.
 TARGET_LABELS = frozenset({"instance", "job"})

@@ -100,3 +100,17 @@ async def test_tenants_are_separate(store: TokenQuotaStore) -> None:
     assert isinstance(await store.charge("acme", 600, MINUTE), Charge)
     assert isinstance(await store.charge("globex", 600, MINUTE), Charge)
     assert isinstance(await store.charge("acme", 1, MINUTE), QuotaRefused)
+
+
+async def test_charge_and_correct_say_what_is_left(store: TokenQuotaStore) -> None:
+    """What a charge, a refusal and a correction report left is what ``remaining`` reads."""
+    limits = QuotaLimits(per_minute=600, per_day=1000)
+    charge = await store.charge("acme", 400, limits)
+    assert isinstance(charge, Charge) and charge.remaining is not None
+    assert (charge.remaining.minute, charge.remaining.day) == (200, 600)
+    refused = await store.charge("acme", 300, limits)
+    assert isinstance(refused, QuotaRefused) and refused.remaining is not None
+    assert (refused.remaining.minute, refused.remaining.day) == (200, 600)
+    left = await store.correct(charge, 100)
+    assert (left.minute, left.day) == (500, 900)
+    assert await store.remaining("acme", limits) == left

@@ -190,3 +190,26 @@ async def test_page_asks_for_the_token_and_keeps_it_out_of_the_url(
     )
     await until(driver, lambda d: d.find_element(By.ID, "login").is_displayed())
     assert cell(driver, "#login-note") == "that token was refused"
+
+
+async def test_page_shows_token_quota_use(
+    start_proxy: Start, sims: list[SimServer], driver: Driver
+) -> None:
+    """A tenant with a day quota: its quota cell shows the tokens used today against the
+    limit, as /admin/state counts them after its traffic; a tenant without one says so."""
+    tenants = {
+        "a": {"api_keys": [KEY_A], "token_quota": {"per_day": 100_000}},
+        "b": {"api_keys": [KEY_B]},
+    }
+    proxy = await start_proxy(make_config([s.url for s in sims], tenants=tenants, health=HEALTH))
+    await traffic(proxy.url, KEY_A, 4)
+    await wait_for(lambda: not proxy.runtime.active, timeout_s=10)
+    async with aiohttp.ClientSession() as session, session.get(proxy.url + "/admin/state") as r:
+        used = (await r.json())["tenants"]["a"]["quota"]["used"]
+    assert used > 0
+    await asyncio.to_thread(driver.get, proxy.url + "/admin/ui")
+    await until(driver, lambda d: d.find_elements(By.CSS_SELECTOR, 'tr[data-tenant="a"]'))
+    expected = f"{used} / 100000 tokens today"
+    await until(driver, lambda d: cell(d, 'tr[data-tenant="a"] td.quota') == expected)
+    assert cell(driver, 'tr[data-tenant="b"] td.quota') == "no quota"
+    assert severe(driver) == []

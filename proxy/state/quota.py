@@ -1,9 +1,11 @@
 """Token quotas (per minute, per UTC day): the interface, and its in-memory implementation.
 
-``TokenQuotaStore`` is what admission will call: ``charge`` a request's
-estimate when it is admitted (refused, with the seconds until it would fit,
-when it does not), ``correct`` the charge by the difference once the real
-usage is known, ``remaining`` for the ``x-ratelimit-*`` headers. The
+``TokenQuotaStore`` is what admission calls (``token_quota.TokenQuotas``):
+``charge`` a request's estimate when it is admitted (refused, with the seconds
+until it would fit, when it does not), ``correct`` the charge by the
+difference once the real usage is known, ``remaining`` for the
+``x-ratelimit-*`` headers. ``charge`` and ``correct`` also say what is left
+after them, in the same step (one round trip to Redis, not two). The
 per-minute quota is a bucket of ``per_minute`` tokens refilling continuously
 over a minute; the per-day one a counter per UTC calendar day. A correction
 never takes a counter below zero nor the bucket above full, and a correction
@@ -28,6 +30,14 @@ MINUTE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
+class QuotaRemaining:
+    minute: int | None
+    day: int | None
+    #: Seconds until 00:00 UTC, when the day's counter starts again.
+    day_resets_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class QuotaLimits:
     """A tenant's ``token_quota``; None: no limit of that kind."""
 
@@ -43,6 +53,8 @@ class Charge:
     tokens: int
     day: int
     limits: QuotaLimits
+    #: What is left once this charge is made (None from a store that does not say).
+    remaining: QuotaRemaining | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +63,8 @@ class QuotaRefused:
 
     retry_after_s: float
     window: Literal["minute", "day"]
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaRemaining:
-    minute: int | None
-    day: int | None
-    #: Seconds until 00:00 UTC, when the day's counter starts again.
-    day_resets_in_s: float
+    #: What is left now (nothing was charged).
+    remaining: QuotaRemaining | None = None
 
 
 class TokenQuotaStore(Protocol):
@@ -68,8 +74,8 @@ class TokenQuotaStore(Protocol):
         """Charge ``estimate`` tokens if they fit every limit; else charge nothing."""
         ...
 
-    async def correct(self, charge: Charge, actual: int) -> None:
-        """Replace the estimate by the real usage (the difference, either sign)."""
+    async def correct(self, charge: Charge, actual: int) -> QuotaRemaining:
+        """Replace the estimate by the real usage (the difference, either sign); what is left."""
         ...
 
     async def remaining(self, tenant: str, limits: QuotaLimits) -> QuotaRemaining: ...
@@ -99,6 +105,12 @@ class _Tenant:
         self.stamp = now
         self.day = int(now // DAY_S)
         self.used = 0
+
+
+def _left(state: _Tenant, limits: QuotaLimits, now: float) -> QuotaRemaining:
+    minute = None if state.tokens is None else math.floor(state.tokens)
+    day = None if limits.per_day is None else max(0, limits.per_day - state.used)
+    return QuotaRemaining(minute, day, (state.day + 1) * DAY_S - now)
 
 
 class LocalTokenQuotas:
@@ -140,25 +152,24 @@ class LocalTokenQuotas:
             if refused is None or wait > refused.retry_after_s:
                 refused = QuotaRefused(wait, "day")
         if refused is not None:
-            return refused
+            return QuotaRefused(refused.retry_after_s, refused.window, _left(state, limits, now))
         if state.tokens is not None:
             state.tokens -= estimate
         state.used += estimate
-        return Charge(tenant, estimate, state.day, limits)
+        return Charge(tenant, estimate, state.day, limits, _left(state, limits, now))
 
-    async def correct(self, charge: Charge, actual: int) -> None:
-        state, _ = self._state(charge.tenant, charge.limits)
+    async def correct(self, charge: Charge, actual: int) -> QuotaRemaining:
+        state, now = self._state(charge.tenant, charge.limits)
         diff = actual - charge.tokens
         if charge.limits.per_minute is not None and state.tokens is not None:
             state.tokens = max(0.0, min(float(charge.limits.per_minute), state.tokens - diff))
         if state.day == charge.day:
             state.used = max(0, state.used + diff)
+        return _left(state, charge.limits, now)
 
     async def remaining(self, tenant: str, limits: QuotaLimits) -> QuotaRemaining:
         state, now = self._state(tenant, limits)
-        minute = None if state.tokens is None else math.floor(state.tokens)
-        day = None if limits.per_day is None else max(0, limits.per_day - state.used)
-        return QuotaRemaining(minute, day, (state.day + 1) * DAY_S - now)
+        return _left(state, limits, now)
 
     def __repr__(self) -> str:
         return f"<LocalTokenQuotas {len(self._tenants)} tenants>"

@@ -51,9 +51,10 @@ if per_day and used + est > per_day then
   local left = ((day + 1) * 86400000 - now) / 1000
   if window == '' or left > wait then wait, window = left, 'day' end
 end
-if window ~= '' then return {0, tostring(wait), window, day} end
+local left = tostring(((day + 1) * 86400000 - now) / 1000)
+if window ~= '' then return {0, tostring(wait), window, day, tostring(tokens or ''), used, left} end
 save(tokens and tokens - est, used + est)
-return {1, '0', '', day}
+return {1, '0', '', day, tostring(tokens and tokens - est or ''), used + est, left}
 """
 )
 
@@ -64,7 +65,7 @@ local diff, charged_day = tonumber(ARGV[2]), tonumber(ARGV[5])
 if per_min then tokens = math.max(0, math.min(per_min, tokens - diff)) end
 if day == charged_day then used = math.max(0, used + diff) end
 save(tokens, used)
-return 1
+return {tostring(tokens or ''), used, tostring(((day + 1) * 86400000 - now) / 1000)}
 """
 )
 
@@ -78,6 +79,13 @@ return {tostring(tokens or ''), used, tostring(((day + 1) * 86400000 - now) / 10
 
 def _limit(value: int | None) -> str:
     return "" if value is None else str(value)
+
+
+def _remaining(limits: QuotaLimits, tokens: str, used: str | int, resets: str) -> QuotaRemaining:
+    """A script's reply (bucket tokens or '', the day's use, seconds to midnight)."""
+    minute = math.floor(float(tokens)) if tokens != "" else None
+    day = None if limits.per_day is None else max(0, limits.per_day - int(used))
+    return QuotaRemaining(minute, day, float(resets))
 
 
 class RedisTokenQuotas:
@@ -96,14 +104,15 @@ class RedisTokenQuotas:
         self, tenant: str, estimate: int, limits: QuotaLimits
     ) -> Charge | QuotaRefused:
         args: list[str | float] = [estimate, _limit(limits.per_minute), _limit(limits.per_day)]
-        granted, wait, window, day = await self._client.run(
+        granted, wait, window, day, tokens, used, resets = await self._client.run(
             _CHARGE, self._tenant_keys(tenant), args
         )
+        left = _remaining(limits, tokens, used, resets)
         if int(granted):
-            return Charge(tenant, estimate, int(day), limits)
-        return QuotaRefused(float(wait), "minute" if window == "minute" else "day")
+            return Charge(tenant, estimate, int(day), limits, left)
+        return QuotaRefused(float(wait), "minute" if window == "minute" else "day", left)
 
-    async def correct(self, charge: Charge, actual: int) -> None:
+    async def correct(self, charge: Charge, actual: int) -> QuotaRemaining:
         limits = charge.limits
         args: list[str | float] = [
             actual - charge.tokens,
@@ -111,14 +120,15 @@ class RedisTokenQuotas:
             "",
             charge.day,
         ]
-        await self._client.run(_CORRECT, self._tenant_keys(charge.tenant), args)
+        tokens, used, resets = await self._client.run(
+            _CORRECT, self._tenant_keys(charge.tenant), args
+        )
+        return _remaining(limits, tokens, used, resets)
 
     async def remaining(self, tenant: str, limits: QuotaLimits) -> QuotaRemaining:
         args: list[str | float] = [0, _limit(limits.per_minute), _limit(limits.per_day)]
         tokens, used, resets = await self._client.run(_REMAINING, self._tenant_keys(tenant), args)
-        minute = math.floor(float(tokens)) if tokens != "" else None
-        day = None if limits.per_day is None else max(0, limits.per_day - int(used))
-        return QuotaRemaining(minute, day, float(resets))
+        return _remaining(limits, tokens, used, resets)
 
     def __repr__(self) -> str:
         return f"<RedisTokenQuotas {self._keys.prefix}>"

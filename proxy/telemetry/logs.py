@@ -97,6 +97,8 @@ def access_fields(record: RequestRecord, trace_id: str | None) -> dict[str, Any]
         "model": record.model,
         "input_tokens": record.input_tokens,
         "output_tokens": record.output_tokens,
+        "quota_charged_tokens": record.quota_charged_tokens,
+        "quota_actual_tokens": record.quota_actual_tokens,
         "degraded": record.degraded,
         "observed": record.observed,
     }
@@ -162,6 +164,8 @@ class AccessLog:
             f'"model": {_text(r.model)}, '
             f'"input_tokens": {_number(r.input_tokens)}, '
             f'"output_tokens": {_number(r.output_tokens)}, '
+            f'"quota_charged_tokens": {_number(r.quota_charged_tokens)}, '
+            f'"quota_actual_tokens": {_number(r.quota_actual_tokens)}, '
             f'"degraded": {_text(r.degraded)}, "observed": {_text(r.observed)}}}\n'
         )
         pending = self._pending

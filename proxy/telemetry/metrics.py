@@ -241,6 +241,8 @@ class StateSnapshot:
     headroom: dict[str, int] = field(default_factory=dict)
     #: Tickets waiting now per model pool label (model pools only).
     model_queue_depth: dict[str, int] = field(default_factory=dict)
+    #: Token quota left per (tenant label, window): ``minute`` or ``day``.
+    quota_remaining: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class StateCollector(Collector):
@@ -289,6 +291,14 @@ class StateCollector(Collector):
         for model, value in sorted(snap.model_queue_depth.items()):
             pools.add_metric([model], value)
         yield pools
+        quota = GaugeMetricFamily(
+            "admission_quota_remaining_tokens",
+            "Tokens left of each tenant's token quota, per window (minute, day)",
+            labels=["tenant", "window"],
+        )
+        for (tenant, window), value in sorted(snap.quota_remaining.items()):
+            quota.add_metric([tenant, window], value)
+        yield quota
         util = GaugeMetricFamily(
             "admission_gpu_utilization_ratio", "GPU utilization (0..1)", labels=["gpu"]
         )

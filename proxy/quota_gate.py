@@ -1,0 +1,124 @@
+"""The entrance's token-quota step, and the ``x-ratelimit-*`` headers of each answer.
+
+``admit_tokens`` runs after the body is read (the estimate needs it): it
+charges the estimate or refuses with 429 ``token_quota_exceeded`` (nothing
+charged, no queue place or seat taken), asks the engine for the stream's
+usage where the client did not, and returns the headers the answer carries.
+``settle`` corrects the charge to what the request really used, once,
+whatever ended it. ``refusal_headers`` gives a refused request of a limited
+tenant the same headers. Tenants with neither ``token_quota`` nor
+``rate_per_s`` pass through without a store call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.admitted import BYTES_PER_TOKEN
+from proxy.config_tenants import TenantConfig
+from proxy.errors import TokenQuotaExceeded
+from proxy.quotas import EntranceQuotas
+from proxy.ratelimit_headers import request_headers, token_headers
+from proxy.relay import Relayed
+from proxy.state.quota import QuotaRefused, QuotaRemaining
+from proxy.token_quota import Held, TokenQuotas, actual_tokens, limits_of, quota_estimate
+from proxy.usage_request import USAGE_ROUTES, request_usage
+
+#: Routes that generate no tokens: their estimate is the prompt alone.
+NO_OUTPUT_ROUTES = frozenset({"/v1/embeddings"})
+
+
+@dataclass(slots=True)
+class TokenGate:
+    """What the quota step decided for one admitted request."""
+
+    body: bytes
+    held: Held | None = None
+    strip_usage: bool = False
+    #: The ``x-ratelimit-*`` headers of the answer (state at admission).
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _bucket_headers(buckets: EntranceQuotas, tenant: str) -> dict[str, str]:
+    bucket = buckets.bucket(tenant)
+    if bucket is None:
+        return {}
+    return request_headers(bucket.level(), bucket.burst, bucket.rate)
+
+
+async def admit_tokens(
+    quotas: TokenQuotas,
+    buckets: EntranceQuotas,
+    tenant: str,
+    config: TenantConfig,
+    route: str,
+    doc: dict[str, Any] | None,
+    body: bytes,
+    expected_output: float,
+    served_model: str | None,
+) -> TokenGate:
+    """Charge the request's estimate, or raise ``TokenQuotaExceeded``.
+
+    ``body`` is what goes upstream (an alias already replaced by
+    ``served_model``); the estimate is taken on it as the client's prompt.
+    """
+    gate = TokenGate(body, headers=_bucket_headers(buckets, tenant))
+    quota = config.token_quota
+    limits = limits_of(quota.per_minute, quota.per_day)
+    if limits is None:
+        return gate
+    prompt_estimate = len(body) // BYTES_PER_TOKEN
+    if route in NO_OUTPUT_ROUTES:
+        expected_output = 0.0
+    estimate = quota_estimate(len(body), doc, expected_output, quota.count)
+    outcome, remaining = await quotas.charge(tenant, estimate, limits)
+    gate.headers.update(token_headers(limits, remaining))
+    if isinstance(outcome, QuotaRefused):
+        raise TokenQuotaExceeded(
+            f"tenant {tenant!r} is over its token quota per {outcome.window} "
+            f"({estimate} tokens estimated for this request)",
+            retry_after_s=outcome.retry_after_s,
+            window=outcome.window,
+        )
+    gate.held = Held(outcome, quota.count, prompt_estimate)
+    if doc is not None and route in USAGE_ROUTES:
+        asked = request_usage(doc)
+        if asked is not None:
+            if served_model is not None and isinstance(doc.get("model"), str):
+                asked["model"] = served_model
+            gate.body = json.dumps(asked).encode()
+            gate.strip_usage = True
+    return gate
+
+
+async def settle(quotas: TokenQuotas, held: Held, relayed: Relayed | None) -> QuotaRemaining | None:
+    """Correct the charge to the real usage (0 when no replica answered with a 2xx)."""
+    if relayed is None:
+        actual = 0
+    else:
+        actual = actual_tokens(
+            held.count,
+            held.prompt_estimate,
+            relayed.status,
+            relayed.input_tokens,
+            relayed.output_tokens,
+        )
+    return await quotas.settle(held, actual)
+
+
+async def refusal_headers(
+    quotas: TokenQuotas, buckets: EntranceQuotas, tenant: str, config: TenantConfig
+) -> dict[str, str]:
+    """A refused request's ``x-ratelimit-*`` headers: the tenant's state now."""
+    headers = _bucket_headers(buckets, tenant)
+    limits = limits_of(config.token_quota.per_minute, config.token_quota.per_day)
+    if limits is not None:
+        headers.update(token_headers(limits, await quotas.remaining(tenant, limits)))
+    return headers
+
+
+def settled_headers(held: Held, remaining: QuotaRemaining, headers: dict[str, str]) -> None:
+    """After a settlement: the token headers of ``headers`` count the real usage."""
+    headers.update(token_headers(held.charge.limits, remaining))

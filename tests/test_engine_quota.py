@@ -1,0 +1,103 @@
+"""Token quotas against a real ``llama-server``, driven by the official OpenAI client.
+
+The quota counts what llama-server reports (``usage``), the headers count
+down by exactly that, a stream whose client did not ask for usage is charged
+the usage the proxy asked for on its behalf (and the client sees no usage
+chunk), and the first request whose estimate no longer fits is refused with
+429 ``token_quota_exceeded``, which the client surfaces as ``RateLimitError``.
+The quotas' clock is a fake one (the UTC day cannot change mid-test).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from bench.real_engine import Engine
+from proxy.clock import FakeClock
+from tests.conftest import ProxyUnderTest
+from tests.engine import MODEL, LlamaServer, llama_servers
+from tests.helpers import KEY_A, make_config, wait_for
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count the waves."}]
+QUOTA = 200
+MAX_TOKENS = 16
+#: Requests are bounded: the quota runs out within a handful.
+MAX_REQUESTS = 20
+
+
+@pytest.fixture(scope="module")
+def llama_one(
+    real_engine: Engine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[LlamaServer]]:
+    """One replica with ``--parallel 2`` and one thread."""
+    with llama_servers(real_engine, tmp_path_factory.mktemp("llama"), 1, parallel=2) as servers:
+        yield servers
+
+
+def _config(servers: list[LlamaServer]) -> Any:
+    replicas = [{"name": "r0", "url": servers[0].url, "max_concurrency": 2}]
+    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_day": QUOTA}}}
+    return make_config([], replicas=replicas, tenants=tenants, health={"interval_ms": 100})
+
+
+async def test_quota_counts_llama_server_usage_and_refuses_when_spent(
+    start_proxy: Start, llama_one: list[LlamaServer]
+) -> None:
+    """per_day 200: a stream (usage asked for by the proxy) then plain requests until the
+    quota is spent; the headers count down by llama-server's usage, then 429."""
+    log = io.StringIO()
+    clock = FakeClock(start=1_796_140_800.0)  # 2026-12-01 16:00 UTC
+    proxy = await start_proxy(_config(llama_one), quota_clock=clock, access_log=log)
+    extra = {"ignore_eos": True}
+    left = QUOTA
+    async with openai.AsyncOpenAI(
+        base_url=proxy.url + "/v1", api_key=KEY_A, max_retries=0
+    ) as client:
+        # A stream that did not ask for usage: the client gets none, the quota counts it.
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=MAX_TOKENS, stream=True, extra_body=extra
+        )
+        chunks = [chunk async for chunk in stream]
+        assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+        await wait_for(lambda: not proxy.runtime.active, timeout_s=10)
+        streamed = json.loads(log.getvalue().splitlines()[-1])["quota_actual_tokens"]
+        left -= streamed
+
+        actuals: list[int] = []
+        refused: openai.RateLimitError | None = None
+        for _ in range(MAX_REQUESTS):
+            try:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=MSG, max_tokens=MAX_TOKENS, extra_body=extra
+                )
+            except openai.RateLimitError as exc:
+                refused = exc
+                break
+            reply = raw.parse()
+            assert reply.usage is not None and reply.usage.completion_tokens == MAX_TOKENS
+            used = reply.usage.prompt_tokens + reply.usage.completion_tokens
+            actuals.append(used)
+            left -= used
+            # Counted down by exactly what llama-server reported.
+            assert raw.headers["x-ratelimit-limit-tokens"] == str(QUOTA)
+            assert raw.headers["x-ratelimit-remaining-tokens"] == str(left)
+    assert refused is not None, "the quota never ran out"
+    assert actuals and streamed == actuals[0]  # the stream's usage, as the engine counted it
+    assert refused.response.headers["X-Admission-Reason"] == "token_quota_exceeded"
+    assert refused.response.headers["x-ratelimit-remaining-tokens"] == str(left)
+    assert int(refused.response.headers["Retry-After"]) == 8 * 3600  # to 00:00 UTC
+    # Refused exactly when the next estimate no longer fits what is left.
+    await wait_for(lambda: not proxy.runtime.active, timeout_s=10)
+    estimate = json.loads(log.getvalue().splitlines()[-2])["quota_charged_tokens"]
+    assert left < estimate <= left + actuals[-1]
+    proxy.assert_idle()

@@ -1,0 +1,193 @@
+"""Token quotas' pure parts: estimates, headers, the usage request and its removal."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from proxy.clock import FakeClock
+from proxy.ratelimit_headers import go_duration, request_headers, token_headers
+from proxy.sse import SseMeter
+from proxy.sse_usage import UsageStripper
+from proxy.state.quota import Charge, LocalTokenQuotas, QuotaLimits, QuotaRemaining
+from proxy.token_quota import Held, TokenQuotas, actual_tokens, quota_estimate
+from proxy.usage_request import request_usage
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (0.017, "17ms"), (1, "1s"), (59.2, "1m0s"), (360, "6m0s"), (86_399, "23h59m59s")],
+)
+def test_go_duration(seconds: float, text: str) -> None:
+    assert go_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("limits", "remaining", "expected"),
+    [
+        # Only a minute quota: 600 left of 1000 refill in 24 s.
+        (QuotaLimits(per_minute=1000), QuotaRemaining(600, 5, 80.0), ("1000", "600", "24s")),
+        # Only a day quota: resets at midnight; untouched, nothing to reset.
+        (QuotaLimits(per_day=500), QuotaRemaining(None, 100, 90.0), ("500", "100", "1m30s")),
+        (QuotaLimits(per_day=500), QuotaRemaining(None, 500, 90.0), ("500", "500", "0s")),
+        # Both: the window with fewer tokens left binds.
+        (QuotaLimits(1000, 50_000), QuotaRemaining(400, 45_000, 9.0), ("1000", "400", "36s")),
+        (QuotaLimits(1000, 50_000), QuotaRemaining(1000, 30, 61.0), ("50000", "30", "1m1s")),
+    ],
+)
+def test_token_headers_follow_the_binding_window(
+    limits: QuotaLimits, remaining: QuotaRemaining, expected: tuple[str, str, str]
+) -> None:
+    headers = token_headers(limits, remaining)
+    got = tuple(headers[f"x-ratelimit-{k}-tokens"] for k in ("limit", "remaining", "reset"))
+    assert got == expected
+
+
+def test_request_headers_from_the_bucket() -> None:
+    """burst 10 at 2/s with 3.5 tokens: limit 10, 3 left, full again in 3.25 s (4s)."""
+    assert request_headers(3.5, 10.0, 2.0) == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "3",
+        "x-ratelimit-reset-requests": "4s",
+    }
+
+
+@pytest.mark.parametrize(
+    ("doc", "output", "count", "expected"),
+    [
+        ({"max_tokens": 100}, 256, "total", 40 // 4 + 100),
+        ({"max_completion_tokens": 7}, 256, "completion", 7),
+        ({"parameters": {"max_new_tokens": 9}}, 256, "total", 10 + 9),
+        ({}, 31.2, "total", 10 + 32),  # the tenant's mean output, rounded up
+        ({"max_tokens": True}, 12, "completion", 12),  # not a number: the mean
+        ({"max_tokens": 100_000}, 256, "completion", 100_000),  # no cap: the bound holds
+    ],
+)
+def test_quota_estimate(doc: dict[str, Any], output: float, count: Any, expected: int) -> None:
+    assert quota_estimate(40, doc, output, count) == expected
+
+
+@pytest.mark.parametrize(
+    ("count", "status", "prompt", "completion", "expected"),
+    [
+        ("total", 200, 12, 30, 42),
+        ("total", 200, None, 30, 25 + 30),  # no prompt count: the estimate
+        ("completion", 200, 12, 30, 30),
+        ("total", 200, None, None, 25),  # answered, nothing generated
+        ("total", 400, 12, 30, 0),  # the engine refused it: nothing charged
+        ("total", 0, None, None, 0),  # never reached a replica
+    ],
+)
+def test_actual_tokens(
+    count: Any, status: int, prompt: int | None, completion: int | None, expected: int
+) -> None:
+    assert actual_tokens(count, 25, status, prompt, completion) == expected
+
+
+async def test_settle_corrects_once() -> None:
+    """A second settlement of the same charge changes nothing."""
+    clock = FakeClock(start=1_796_166_000.0)
+    quotas = TokenQuotas(LocalTokenQuotas(clock), clock)
+    limits = QuotaLimits(per_day=1000)
+    charge, _ = await quotas.charge("acme", 300, limits)
+    assert isinstance(charge, Charge)
+    held = Held(charge, "total", 10)
+    remaining = await quotas.settle(held, 120)
+    assert remaining is not None and remaining.day == 880
+    assert await quotas.settle(held, 0) is None
+    assert (await quotas.remaining("acme", limits)).day == 880
+    assert quotas.use("acme", limits) == {
+        "used": 120, "limit": 1000, "unit": "tokens today",
+        "day": {"limit": 1000, "used": 120, "remaining": 880},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        ({"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}),
+        (
+            {"stream": True, "stream_options": {"include_usage": False, "x": 1}},
+            {"stream": True, "stream_options": {"include_usage": True, "x": 1}},
+        ),
+        ({"stream": True, "stream_options": {"include_usage": True}}, None),  # asked already
+        ({"stream": False}, None),
+        ({"stream": True, "stream_options": "yes"}, None),  # the engine judges that body
+    ],
+)
+def test_request_usage(doc: dict[str, Any], expected: dict[str, Any] | None) -> None:
+    assert request_usage(doc) == expected
+
+
+def _event(doc: dict[str, Any], sep: tuple[str, str] = (",", ":")) -> bytes:
+    return b"data: " + json.dumps(doc, separators=sep).encode() + b"\n\n"
+
+
+def _openai_stream(with_usage: bool, sep: tuple[str, str] = (",", ":")) -> bytes:
+    """OpenAI's layout: with include_usage every chunk has ``usage: null`` (first or last
+    key here, both placements), then a usage-only chunk."""
+    events = []
+    for i, delta in enumerate([{"role": "assistant"}, {"content": "a"}, {"content": "b"}, {}]):
+        chunk: dict[str, Any] = {}
+        if with_usage and i % 2:
+            chunk["usage"] = None
+        chunk.update({"id": "x", "choices": [{"index": 0, "delta": delta}]})
+        if with_usage and not i % 2:
+            chunk["usage"] = None
+        events.append(_event(chunk, sep))
+    events.insert(1, b": keep-alive\n\n")
+    if with_usage:
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        events.append(_event({"id": "x", "choices": [], "usage": usage}, sep))
+    events.append(b"data: [DONE]\n\n")
+    return b"".join(events)
+
+
+@pytest.mark.parametrize("sep", [(",", ":"), (", ", ": ")])
+def test_stripper_gives_the_stream_without_usage_at_every_split(sep: tuple[str, str]) -> None:
+    """Cut anywhere into two or three pieces, the stream with usage becomes, byte for byte,
+    the stream without it, and the usage chunk is counted as stripped."""
+    with_usage, without = _openai_stream(True, sep), _openai_stream(False, sep)
+    assert with_usage != without
+    for cut in range(len(with_usage) + 1):
+        for pieces in ([cut], [cut // 2, cut]):
+            stripper = UsageStripper()
+            out, start = b"", 0
+            for end in [*pieces, len(with_usage)]:
+                out += stripper.feed(with_usage[start:end])
+                start = end
+            out += stripper.flush()
+            assert out == without, cut
+            assert stripper.stripped == 1
+
+
+def test_stripper_keeps_usage_the_client_gets_anyway() -> None:
+    """A usage object inside a chunk with choices (llama.cpp's completions) is the engine's
+    own: kept. A stream with CRLF line ends passes through as it is."""
+    chunk = _event({"choices": [{"text": ""}], "usage": {"completion_tokens": 3}})
+    assert UsageStripper().feed(chunk) == chunk
+    crlf = b'data: {"choices":[],"usage":{"x":1}}\r\n\r\n'
+    assert UsageStripper().feed(crlf) == crlf
+
+
+def test_meter_reads_llama_cpp_timings_from_the_last_chunk() -> None:
+    """llama-server's stream without include_usage: no usage, but its last chunk's timings
+    give the completion (predicted_n) and the prompt (prompt_n + cache_n)."""
+    meter = SseMeter()
+    meter.feed(_event({"choices": [{"delta": {"content": "a"}}]}), 1.0)
+    meter.feed(_event({"choices": [{"delta": {"content": "b"}}]}), 1.1)
+    timings = {"cache_n": 29, "prompt_n": 1, "predicted_n": 5}
+    meter.feed(_event({"choices": [{"delta": {}}], "timings": timings}), 1.2)
+    meter.feed(b"data: [DONE]\n\n", 1.3)
+    meter.finish()
+    assert (meter.input_tokens, meter.output_tokens) == (30, 5)
+
+
+def test_meter_reads_tgi_details_from_the_last_event() -> None:
+    meter = SseMeter()
+    meter.feed(_event({"token": {"text": "a"}}), 1.0)
+    meter.feed(_event({"token": {"text": "b"}, "details": {"generated_tokens": 2}}), 1.1)
+    meter.finish()
+    assert meter.output_tokens == 2
