@@ -261,7 +261,8 @@ class ResourceSampler:
             except Exception:  # a failed NVML sample is skipped
                 readings = []
             if readings:
-                self._gpu.append(_GpuSample(now, tuple(readings), "nvml"))
+                source = "nvml" if isinstance(probe, NvmlProbe) else "probe"
+                self._gpu.append(_GpuSample(now, tuple(readings), source))
                 return
         if self._session is not None:
             readings = await self._proxy_gpus()
