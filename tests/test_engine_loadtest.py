@@ -79,6 +79,7 @@ async def test_staircase_recommends_about_the_engines_slot_count(
         p99_slo_ms=SLO_OVER_ALONE * alone_ms,
         request_timeout_s=60.0,
         level_timeout_s=90.0,
+        cool_down_s=1.0,  # not the real-engine default of 30 s: the test's time is bounded
     )
     result = await run_staircase(plan)
     verdict = result.verdict

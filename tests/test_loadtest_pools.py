@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,13 +27,13 @@ from tests.helpers import KEY_A, make_config
 from tests.test_loadtest_runs import phases_workload, sim_in_thread
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
-FAST = {"slots": 2, "decode_base_ms": 2.0, "decode_per_seq_ms": 0.5, "prefill_ms_per_token": 0.0}
+FAST = SimConfig(slots=2, decode_base_ms=2.0, decode_per_seq_ms=0.5, prefill_ms_per_token=0.0)
 
 
 @pytest.fixture
 async def two_pools() -> AsyncIterator[dict[str, SimServer]]:
     """Two simulated replicas: ``alpha`` served by one, ``beta`` by the other."""
-    sims = {name: await start_sim(SimConfig(model_name=name, **FAST)) for name in ("alpha", "beta")}
+    sims = {name: await start_sim(replace(FAST, model_name=name)) for name in ("alpha", "beta")}
     try:
         yield sims
     finally:
@@ -39,7 +41,7 @@ async def two_pools() -> AsyncIterator[dict[str, SimServer]]:
             await sim.close()
 
 
-def pool_config(sims: dict[str, SimServer]) -> dict[str, object]:
+def pool_config(sims: dict[str, SimServer]) -> dict[str, Any]:
     return {
         "replicas": [
             {"name": f"r-{name}", "url": sim.url, "max_concurrency": 2, "models": [name]}
@@ -132,7 +134,7 @@ def test_cli_phases_model_flag_reaches_the_named_model(
         tenant.pop("slo", None)
     workload = tmp_path / "workload.json"
     workload.write_text(json.dumps(doc))
-    with sim_in_thread(SimConfig(model_name="gamma", **FAST)) as url:
+    with sim_in_thread(replace(FAST, model_name="gamma")) as url:
         argv = ["loadtest", "phases", "--url", url, "--workload", str(workload), "--quiet"]
         status = main([*argv, "--model", "named-by-flag", "--out", str(tmp_path / "out")])
     assert status == 0
