@@ -257,6 +257,13 @@ def add_loadtest_arguments(subparsers: Any) -> None:
         help="model (pool) every request names, overriding the workload's model key",
     )
     phases.add_argument(
+        "--duration-scale",
+        type=_positive_float,
+        default=1.0,
+        metavar="FACTOR",
+        help="multiply every phase's duration_s by FACTOR (0.25: a quarter-length rehearsal)",
+    )
+    phases.add_argument(
         "--fault-url",
         action="append",
         default=[],
@@ -356,10 +363,10 @@ async def _phases(ns: argparse.Namespace, out: TextIO) -> int:
     from proxy.loadtest.phases import PhasesPlan, resolve_fault_url, run_phases
     from proxy.loadtest.phases_report import write_phases_report
     from proxy.loadtest.progress import Progress
-    from proxy.loadtest.workload import WorkloadError, load_workload
+    from proxy.loadtest.workload import WorkloadError, load_workload, scale_durations
 
     try:
-        workload = load_workload(ns.workload)
+        workload = scale_durations(load_workload(ns.workload), ns.duration_scale)
     except WorkloadError as exc:
         print(f"invalid workload {ns.workload}:\n{exc}", file=sys.stderr)
         return 2
