@@ -1,8 +1,8 @@
 """Capacity table runs (issue 19): ``loadtest phases`` through the proxy, end to end.
 
 Starts two replicas (``--engine sim``: ``admission-proxy sim`` processes;
-``--engine llama``: real ``llama-server --parallel 4`` processes with the tiny
-model of ``scripts/real-engine``), the proxy in front of them, then runs the
+``--engine llama``: real ``llama-server --parallel 4`` processes with the
+120 MB knee model of ``scripts/real-engine``), the proxy in front of them, then runs the
 product's own command, ``admission-proxy loadtest phases``, with the workload
 below, and prints the capacity table that ends its report. Every server is a
 child process on a loopback port, stopped in ``finally``.
@@ -52,9 +52,11 @@ def workload(engine: str) -> dict[str, Any]:
 
     The mix averages about 32 output tokens: the simulated pair (8 slots at
     20 to 30 ms a step) serves about 8 req/s of it, so the ramp ends past
-    capacity and the burst is about 4 times it.
+    capacity and the burst is about 4 times it. The llama pair runs the
+    120 MB "knee" model of ``scripts/real-engine`` (decode bound by reading
+    its weights, as on a GPU), one thread each, with a similar capacity.
     """
-    rates = {"sim": (4.0, 10.0, 30.0), "llama": (3.0, 10.0, 30.0)}[engine]
+    rates = {"sim": (4.0, 10.0, 30.0), "llama": (2.0, 8.0, 25.0)}[engine]
     low, high, burst = rates
     phases: list[dict[str, Any]] = [
         {"name": "baseline", "duration_s": 20, "rate_per_s": low},
@@ -122,7 +124,7 @@ def start_replicas(engine: str, workdir: Path) -> list[Server]:
             argv = [sys.executable, "-m", "proxy", "sim", "--port", str(port), "--slots",
                     str(SLOTS), "--seed", str(index), *SIM_ARGS]  # fmt: skip
         else:
-            argv = [str(built.server), "-m", str(built.model), "--host", "127.0.0.1",
+            argv = [str(built.server), "-m", str(built.knee_model), "--host", "127.0.0.1",
                     "--port", str(port), "--parallel", str(SLOTS), "-c", str(4096 * SLOTS),
                     "-t", "1", "--metrics", "--no-webui", "-a", MODEL]  # fmt: skip
         servers.append(
