@@ -192,6 +192,8 @@ class ResourceSampler:
     _gpu: list[_GpuSample] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
     _session: aiohttp.ClientSession | None = None
+    #: Whether the proxy reported any GPU (None: not asked yet); polling stops at False.
+    _proxy_gpus_seen: bool | None = None
     _zero: float = field(default_factory=time.perf_counter)
 
     async def __aenter__(self) -> ResourceSampler:
@@ -264,8 +266,9 @@ class ResourceSampler:
                 source = "nvml" if isinstance(probe, NvmlProbe) else "probe"
                 self._gpu.append(_GpuSample(now, tuple(readings), source))
                 return
-        if self._session is not None:
+        if self._session is not None and self._proxy_gpus_seen is not False:
             readings = await self._proxy_gpus()
+            self._proxy_gpus_seen = bool(readings) or bool(self._proxy_gpus_seen)
             if readings:
                 self._gpu.append(_GpuSample(now, tuple(readings), "proxy"))
 
