@@ -190,3 +190,21 @@ def test_cool_down_default_depends_on_the_target() -> None:
     assert _cool_down(plan, TargetInfo(kind="proxy", simulator=True), []) == SIM_COOL_DOWN_S
     given = StaircasePlan(url="http://127.0.0.1:1", cool_down_s=5.0)
     assert _cool_down(given, TargetInfo(kind="engine"), []) == 5.0
+
+
+async def test_through_the_proxy_memory_is_the_engines_kv_cache(
+    start_proxy: Start, fast_sim: SimServer
+) -> None:
+    """Through the proxy, whose /metrics has no KV cache, each level's memory is the
+    engines' KV-cache usage the proxy reads from its replicas (``/admin/state``)."""
+    replicas = [{"name": "r0", "url": fast_sim.url, "max_concurrency": 4,
+                 "metrics_url": fast_sim.url + "/metrics"}]  # fmt: skip
+    config = make_config([], replicas=replicas, health={"interval_ms": 100})
+    proxy = await start_proxy(config, access_log=False)
+    async with asyncio.timeout(10):  # the first engine reading
+        while proxy.runtime.health.engine_reading("r0") is None:
+            await asyncio.sleep(0.02)
+    result = await run_staircase(quick_plan(proxy.url, api_key=KEY_A))
+    assert all(level.error_count == 0 for level in result.levels), result.levels
+    for level in result.levels:
+        assert level.memory_source == "kv_cache" and level.memory_ratio is not None, level

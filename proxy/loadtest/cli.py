@@ -34,7 +34,8 @@ directly, or the proxy). Each level discards its warm-up, then measures
 req/s, output tokens/s, latency p50/p95/p99, TTFT p50/p95, queue wait
 (Server-Timing through the proxy, x-queue-time from TGI-style engines),
 errors by kind and memory (engine KV cache from /metrics, else the proxy's
-admission_gpu_memory_used_ratio).
+admission_gpu_memory_used_ratio, else the KV cache of the proxy's replicas
+from its /admin/state).
 
 Stop lines: p99 over twice the first level's, any error, memory over 90%
 used (engine KV cache or GPU memory) or under 1 GiB of GPU memory free.

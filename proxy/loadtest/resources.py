@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -156,6 +157,8 @@ class LevelResources:
     gpu_memory_ratio: float | None = None
     gpu_memory_free_bytes: int | None = None
     gpu_source: str | None = None
+    #: Peak engine KV-cache usage (0..1) the proxy read from its replicas' metrics.
+    kv_cache: float | None = None
 
 
 @dataclass(slots=True)
@@ -187,13 +190,17 @@ class ResourceSampler:
     interval_s: float = 0.5
     gpu_probe: GpuProbe | None = None
     local: bool = False
+    #: Through the proxy, read this model pool's replicas only.
+    pool: str | None = None
     notes: list[str] = field(default_factory=list)
     _processes: list[ProcessSet] = field(default_factory=list)
     _gpu: list[_GpuSample] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
     _session: aiohttp.ClientSession | None = None
-    #: Whether the proxy reported any GPU (None: not asked yet); polling stops at False.
-    _proxy_gpus_seen: bool | None = None
+    _kv: list[tuple[float, float]] = field(default_factory=list)
+    #: Whether the proxy reported any GPU or engine reading (None: not asked yet);
+    #: polling ``/admin/state`` stops at False.
+    _proxy_readings: bool | None = None
     _zero: float = field(default_factory=time.perf_counter)
 
     async def __aenter__(self) -> ResourceSampler:
@@ -255,8 +262,10 @@ class ResourceSampler:
             await asyncio.sleep(self.interval_s)
 
     async def _sample_gpus(self) -> None:
+        """One round: NVML (or the given probe), else the proxy's GPU readings; KV cache."""
         now = time.perf_counter() - self._zero
         probe = self.gpu_probe
+        sampled = False
         if probe is not None:
             try:
                 readings = await asyncio.to_thread(probe.sample)
@@ -265,15 +274,18 @@ class ResourceSampler:
             if readings:
                 source = "nvml" if isinstance(probe, NvmlProbe) else "probe"
                 self._gpu.append(_GpuSample(now, tuple(readings), source))
-                return
-        if self._session is not None and self._proxy_gpus_seen is not False:
-            readings = await self._proxy_gpus()
-            self._proxy_gpus_seen = bool(readings) or bool(self._proxy_gpus_seen)
-            if readings:
-                self._gpu.append(_GpuSample(now, tuple(readings), "proxy"))
+                sampled = True
+        if self._session is None or self._proxy_readings is False:
+            return
+        state = await self._proxy_state()
+        gpus, kv = _proxy_readings(state, self.pool) if state is not None else ([], None)
+        self._proxy_readings = bool(gpus) or kv is not None or bool(self._proxy_readings)
+        if gpus and not sampled:
+            self._gpu.append(_GpuSample(now, tuple(gpus), "proxy"))
+        if kv is not None:
+            self._kv.append((now, kv))
 
-    async def _proxy_gpus(self) -> list[GpuReading]:
-        """The GPUs the proxy samples itself (replicas with ``gpu_index``)."""
+    async def _proxy_state(self) -> dict[str, Any] | None:
         assert self._session is not None
         try:
             async with self._session.get(
@@ -283,21 +295,11 @@ class ResourceSampler:
             ) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    return []
+                    return None
                 state = json.loads(await resp.text())
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            return []
-        readings: dict[int, GpuReading] = {}
-        for index, replica in enumerate((state.get("replicas") or {}).values()):
-            gpu = replica.get("gpu") if isinstance(replica, dict) else None
-            if isinstance(gpu, dict):
-                readings[index] = GpuReading(
-                    index,
-                    float(gpu.get("utilization") or 0.0),
-                    int(gpu.get("memory_used") or 0),
-                    int(gpu.get("memory_total") or 0),
-                )
-        return list(readings.values())
+            return None
+        return state if isinstance(state, dict) else None
 
     async def mark(self) -> _Mark:
         """Readings at a level's start."""
@@ -324,12 +326,14 @@ class ResourceSampler:
         begin_t = start.wall - self._zero
         end_t = end.wall - self._zero
         samples = [s for s in self._gpu if begin_t <= s.t <= end_t]
+        kv = [value for t, value in self._kv if begin_t <= t <= end_t]
         if not samples:
             return LevelResources(
                 proxy_cpu=cpu("proxy"),
                 proxy_rss_bytes=end.rss.get("proxy"),
                 engine_cpu=cpu("engine"),
                 engine_rss_bytes=end.rss.get("engine"),
+                kv_cache=max(kv) if kv else None,
             )
         readings = [r for s in samples for r in s.readings]
         utilization = [max(r.utilization for r in s.readings) for s in samples]
@@ -342,6 +346,7 @@ class ResourceSampler:
             gpu_memory_ratio=max(r.memory_ratio for r in readings),
             gpu_memory_free_bytes=min(max(0, r.memory_total - r.memory_used) for r in readings),
             gpu_source=samples[-1].source,
+            kv_cache=max(kv) if kv else None,
         )
 
     def idle_gpu(self) -> LevelResources | None:
@@ -354,3 +359,29 @@ class ResourceSampler:
             gpu_memory_free_bytes=min(max(0, r.memory_total - r.memory_used) for r in readings),
             gpu_source=self._gpu[0].source,
         )
+
+
+def _proxy_readings(
+    state: Mapping[str, Any], pool: str | None
+) -> tuple[list[GpuReading], float | None]:
+    """GPUs the proxy samples itself (replicas with ``gpu_index``) and the highest engine
+    KV-cache reading of its replicas (of ``pool``'s when it names one)."""
+    replicas: Mapping[str, Any] = state.get("replicas") or {}
+    members = (state.get("pools") or {}).get(pool, {}).get("replicas") if pool else None
+    gpus: dict[int, GpuReading] = {}
+    kv: list[float] = []
+    for index, (name, replica) in enumerate(replicas.items()):
+        if not isinstance(replica, dict) or (members is not None and name not in members):
+            continue
+        gpu = replica.get("gpu")
+        if isinstance(gpu, dict):
+            gpus[index] = GpuReading(
+                index,
+                float(gpu.get("utilization") or 0.0),
+                int(gpu.get("memory_used") or 0),
+                int(gpu.get("memory_total") or 0),
+            )
+        engine = replica.get("engine")
+        if isinstance(engine, dict) and engine.get("kv_cache") is not None:
+            kv.append(float(engine["kv_cache"]))
+    return list(gpus.values()), (max(kv) if kv else None)

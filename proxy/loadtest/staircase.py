@@ -247,6 +247,7 @@ async def run_staircase(plan: StaircasePlan, progress: Progress | None = None) -
             plan.metrics_interval_s,
             gpu_probe=plan.gpu_probe,
             local=is_loopback(plan.base_url),
+            pool=pool,
         )
         async with sampler, resources, LoopLag() as lag, progress:
             idle = await sampler.scrape_now()
@@ -371,8 +372,13 @@ def _with_resources(
                 proxy_cpu, proxy_rss = cpu, None if rss is None else int(rss)
             else:
                 engine_cpu, engine_rss = cpu, None if rss is None else int(rss)
+    memory_ratio, memory_source = stats.memory_ratio, stats.memory_source
+    if memory_ratio is None and used.kv_cache is not None:  # the engines behind the proxy
+        memory_ratio, memory_source = used.kv_cache, "kv_cache"
     return replace(
         stats,
+        memory_ratio=memory_ratio,
+        memory_source=memory_source,
         proxy_cpu=proxy_cpu,
         proxy_rss_bytes=proxy_rss,
         engine_cpu=engine_cpu,
