@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.health import parse_engine_metrics
 
 __all__ = [
     "Busy",
@@ -39,18 +40,6 @@ __all__ = [
 
 #: Longest one admin or metrics read may take.
 READ_TIMEOUT_S = 3.0
-ENGINE_WAITING = (
-    "vllm:num_requests_waiting",
-    "sglang:num_queue_reqs",
-    "tgi_queue_size",
-    "llamacpp:requests_deferred",
-)
-ENGINE_RUNNING = (
-    "vllm:num_requests_running",
-    "sglang:num_running_reqs",
-    "tgi_batch_current_size",
-    "llamacpp:requests_processing",
-)
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
@@ -75,13 +64,9 @@ class ConfigFingerprint:
     def short(self) -> str:
         return f"sha256:{self.sha256[:12]}"
 
-    def seats(self, model: str | None = None) -> int:
-        """Seats of the replicas (of one model's pool when named and the config says)."""
-        return sum(
-            int(r.get("max_concurrency") or 0)
-            for r in self.summary.get("replicas", [])
-            if model is None or not r.get("models") or model in r["models"]
-        )
+    def seats(self) -> int:
+        """Seats of every replica (``max_concurrency`` summed)."""
+        return sum(int(r.get("max_concurrency") or 0) for r in self.summary.get("replicas", []))
 
     def describe(self, *keys: str) -> str:
         """A short text of the named summary parts, e.g. ``seats 8 (r0 4, r1 4); queue_ms 400``."""
@@ -281,16 +266,11 @@ def _busy_from_state(state: Mapping[str, Any], model: str | None) -> Busy:
 
 
 def _busy_from_metrics(text: str) -> Busy | None:
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.value == sample.value:  # not NaN
-                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
-    running = next((values[n] for n in ENGINE_RUNNING if n in values), None)
-    waiting = next((values[n] for n in ENGINE_WAITING if n in values), None)
-    if running is None and waiting is None:
+    """An engine's running and waiting gauges, read as the proxy's health probe reads them."""
+    reading = parse_engine_metrics(text)
+    if reading.running is None and reading.waiting is None:
         return None
-    return Busy(running or 0.0, waiting or 0.0, "engine /metrics")
+    return Busy(reading.running or 0.0, reading.waiting or 0.0, "engine /metrics")
 
 
 async def read_busy(
