@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-scale", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    out = args.out or Path(f"capacity-{args.engine}")
+    out = args.out or ROOT / "bench" / "results" / f"capacity-{args.engine}"
     servers: list[Server] = []
     with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
         workdir = Path(tmp)
