@@ -79,6 +79,7 @@ async def test_staircase_recommends_about_the_engines_slot_count(
         p99_slo_ms=SLO_OVER_ALONE * alone_ms,
         request_timeout_s=60.0,
         level_timeout_s=90.0,
+        cool_down_s=1.0,  # not the real-engine default of 30 s: the test's time is bounded
     )
     result = await run_staircase(plan)
     verdict = result.verdict
@@ -96,5 +97,8 @@ async def test_staircase_recommends_about_the_engines_slot_count(
     by_level = {level.concurrency: level for level in result.levels}
     if 8 in by_level:  # past the slots the engine queues: no more throughput
         assert by_level[8].requests_per_s < 1.3 * by_level[4].requests_per_s, context
+    for level in result.levels:  # the engine's own process, found by its port in /proc
+        assert level.cpu_source == "proc" and level.engine_cpu is not None, level
+        assert level.engine_cpu > 0 and (level.engine_rss_bytes or 0) > 100 << 20, level
     paths = write_staircase_report(result, tmp_path / "out")
     assert all(path.stat().st_size > 0 for path in paths)

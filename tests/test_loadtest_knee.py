@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from proxy.loadtest.knee import (
@@ -252,3 +254,39 @@ def test_next_step_with_slo_goes_on_until_both_line_sets_stop() -> None:
     levels.append(row(16, 618.0, 255.0, run=2))
     assert next_step(levels) is Step.STOP
     assert next_step(levels, KneeRules(p99_slo_ms=1000.0)) is Step.NEXT
+
+
+@pytest.mark.parametrize(
+    ("ratio", "free_gib", "gpu_line", "expected"),
+    [
+        (0.50, 40.0, True, set()),
+        (0.95, 4.0, True, {StopLine.MEMORY}),  # over 90% used, plenty free (a big GPU)
+        (0.80, 0.5, True, {StopLine.MEMORY_FREE}),  # under 1 GiB free (a small GPU)
+        (0.97, 0.2, True, {StopLine.MEMORY, StopLine.MEMORY_FREE}),
+        (0.97, 0.2, False, set()),  # GPU lines off: over the line before any load
+    ],
+)
+def test_gpu_memory_lines(
+    ratio: float, free_gib: float, gpu_line: bool, expected: set[StopLine]
+) -> None:
+    """GPU memory: over 90% used or under 1 GiB free is a stop line, each its own."""
+    level = replace(
+        row(1, 100, 100),
+        gpu_memory_ratio=ratio,
+        gpu_memory_free_bytes=int(free_gib * (1 << 30)),
+    )
+    assert set(stop_lines(level, 100, KneeRules(gpu_memory_line=gpu_line))) == expected
+
+
+def test_memory_free_line_confirmed_by_rerun_stops_and_says_so() -> None:
+    """Under 1 GiB free at level 4 and again on its re-run: the latency limit is 2."""
+    levels = [row(1, 100, 100), row(2, 190, 110)]
+    levels += [
+        replace(row(4, 300, 120, run=run), gpu_memory_ratio=0.85, gpu_memory_free_bytes=500 << 20)
+        for run in (1, 2)
+    ]
+    assert next_step(levels) is Step.STOP
+    verdict = decide(levels)
+    assert verdict.latency_limit == 2
+    assert verdict.stop is not None and verdict.stop.lines == (StopLine.MEMORY_FREE,)
+    assert "memory_under_1gb_free at 4" in verdict.explanation

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import hashlib
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -82,6 +83,7 @@ async def test_staircase_finds_the_knee_of_an_8_slot_sim(
         input_tokens=(16, 64),
         request_timeout_s=30.0,
         level_timeout_s=30.0,
+        cool_down_s=0.0,
     )
     result = await run_staircase(plan)
     verdict = result.verdict
@@ -358,6 +360,61 @@ async def test_phases_through_the_proxy(
     assert_png_with_content(tmp_path / "phases" / "timeline.png")
     await asyncio.sleep(0)
     proxy.assert_idle()
+    await _check_capacity_table(proxy, result, report, markdown, slos)
+
+
+async def _check_capacity_table(
+    proxy: ProxyUnderTest,
+    result: Any,
+    report: dict[str, Any],
+    markdown: str,
+    slos: dict[str, Any],
+) -> None:
+    """The capacity table ends the report, and every figure in it is recounted here from
+    the run's raw results; the config is the SHA-256 of the proxy's /admin/config."""
+    async with proxy.client.get("/admin/config") as resp:
+        assert resp.status == 200
+        # config_history's comment lines (file hashes, times) are not the rules: left out.
+        lines = (await resp.text()).splitlines(keepends=True)
+        rules = "".join(x for x in lines if not x.startswith("#"))
+        sha = hashlib.sha256(rules.encode()).hexdigest()
+    assert report["config"]["sha256"] == sha
+    table = report["capacity"]
+    assert list(table) == ["stable_load", "acceptable_peak", "burst_protection",
+                           "fault_degradation"]  # fmt: skip
+    for row in table.values():
+        assert f"sha256:{sha[:12]}" in row["config"]
+    capacity_part = markdown.split("## Capacity", 1)[1]
+    assert "## " not in capacity_part  # the table is the last section
+    for title in ("stable load", "acceptable peak", "burst protection", "fault degradation"):
+        assert f"**{title}**" in capacity_part
+
+    # Per phase: sent (achieved rate) and good share, recounted from the requests.
+    by_phase: dict[str, list[Any]] = {}
+    for r in result.results:
+        by_phase.setdefault(r.phase, []).append(r)
+    good_share = {
+        name: sum(1 for r in rs if r.error is None and _meets(r, slos[r.tenant].model_dump()))
+        / len(rs)
+        for name, rs in by_phase.items()
+    }
+    rate = {w.name: len(by_phase.get(w.name, [])) / w.phase.duration_s for w in result.windows}
+    clean = [w.name for w in result.windows if w.phase.fault is None]
+    for key, threshold in (("stable_load", 0.95), ("acceptable_peak", 0.80)):
+        fit = [name for name in clean if good_share.get(name, 0.0) >= threshold]
+        if fit:
+            best = max(fit, key=lambda name: rate[name])
+            assert table[key]["phase"] == best
+            assert table[key]["value"] == pytest.approx(rate[best])
+        else:
+            assert table[key]["value"] is None
+    # Burst protection: the drain time the run measured; fault degradation: the good share
+    # of the phase with the fault (the burst, here).
+    assert table["burst_protection"]["value"] == pytest.approx(report["drain"]["drain_s"])
+    assert table["burst_protection"]["phase"] == "burst"
+    assert table["fault_degradation"]["phase"] == "burst"
+    assert table["fault_degradation"]["value"] == pytest.approx(good_share["burst"])
+    assert "error_rate=0.5" in table["fault_degradation"]["config"]
 
 
 def _meets(result: Any, slo: dict[str, float | None]) -> bool:

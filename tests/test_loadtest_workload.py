@@ -8,7 +8,7 @@ import pytest
 
 from proxy.cli import main
 from proxy.loadtest.schedule import build_arrivals
-from proxy.loadtest.workload import WorkloadError, load_workload, parse_workload
+from proxy.loadtest.workload import WorkloadError, load_workload, parse_workload, scale_durations
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "workload.example.yaml"
 
@@ -176,3 +176,13 @@ def test_schedule_is_seeded_and_follows_the_rates() -> None:
     assert early < len(ramp) - early  # a quarter versus three quarters
     assert all(8 <= a.input_tokens <= 16 for a in first)
     assert [a.at_s for a in first] == sorted(a.at_s for a in first)
+
+
+def test_duration_scale_shortens_every_phase_and_keeps_the_rest() -> None:
+    """`--duration-scale 0.25`: each phase a quarter as long, same rates and faults."""
+    workload = load_workload(EXAMPLE)
+    short = scale_durations(workload, 0.25)
+    assert [p.duration_s for p in short.phases] == [p.duration_s / 4 for p in workload.phases]
+    assert [p.rate_per_s for p in short.phases] == [p.rate_per_s for p in workload.phases]
+    assert [p.fault for p in short.phases] == [p.fault for p in workload.phases]
+    assert short.duration_s == workload.duration_s / 4

@@ -34,12 +34,23 @@ directly, or the proxy). Each level discards its warm-up, then measures
 req/s, output tokens/s, latency p50/p95/p99, TTFT p50/p95, queue wait
 (Server-Timing through the proxy, x-queue-time from TGI-style engines),
 errors by kind and memory (engine KV cache from /metrics, else the proxy's
-admission_gpu_memory_used_ratio).
+admission_gpu_memory_used_ratio, else the KV cache of the proxy's replicas
+from its /admin/state).
 
-Stop lines: p99 over twice the first level's, any error, memory over 90%.
+Stop lines: p99 over twice the first level's, any error, memory over 90%
+used (engine KV cache or GPU memory) or under 1 GiB of GPU memory free.
 A level that trips one is re-run once; the line counts only when it holds
 again (or at the next level), so one noisy level never decides. The run
 stops at a confirmed stop line.
+
+Each level also records CPU and resident memory of the proxy and of the
+engines on this machine (/proc; a remote process's process_cpu_seconds_total
+from its /metrics), GPU utilisation and memory (NVML when the target is on
+this machine, else the proxy's own GPU readings), and whether the target was
+idle when the level started (the proxy's /admin/state, else the engine's
+/metrics). Levels are separated by --cool-down seconds (default 30, the
+operator notes' sleep 30; 1 when the target is a simulator or the proxy in
+front of simulators only).
 
 The throughput knee is the last level whose throughput rose at least 10%,
 error-free; the latency limit is the last level before the confirmed stop
@@ -66,6 +77,12 @@ tenant), rejections and failures by reason, queue depth over time (from the
 proxy's /metrics), the proxy's retries, and how long the queues took to
 drain after the burst. The generator reports the rate it achieved next to
 the rate asked.
+
+Ends with the capacity table: stable load (busiest fault-free phase with 95%
+of its requests good), acceptable peak (the same with 80%), burst protection
+(queue drain time after the burst, and what the burst cost) and fault
+degradation (good share while a fault was on), each with the proxy config
+that produced it (SHA-256 of GET /admin/config and its seats, queues, retry).
 
 Writes report.md, report.json, report.csv (the timeline), requests.csv and
 timeline.png into --out. See config/workload.example.yaml.
@@ -114,6 +131,16 @@ def _positive(kind: Callable[[str], _N], what: str, rule: str) -> Callable[[str]
     return parse
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
 _positive_int = _positive(int, "an integer", "must be >= 1")
 _positive_float = _positive(float, "a number", "must be > 0")
 
@@ -127,6 +154,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     metrics.add_argument("--metrics-url", help="Prometheus text to scrape (default: URL/metrics)")
     metrics.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument(
+        "--admin-token-env",
+        help="environment variable holding the proxy's admin token (for /admin/state and "
+        "/admin/config; not needed from loopback when the proxy has no token set)",
+    )
 
 
 def add_loadtest_arguments(subparsers: Any) -> None:
@@ -174,7 +206,11 @@ def add_loadtest_arguments(subparsers: Any) -> None:
         metavar="MIN:MAX",
         help="prompt length range, uniform (default 128:512)",
     )
-    stair.add_argument("--model", help="model name (default: the first of URL/v1/models)")
+    stair.add_argument(
+        "--model",
+        help="model name sent in every request; through the proxy it picks the model pool "
+        "measured (default: the first of URL/v1/models)",
+    )
     stair.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     key = stair.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="sent as 'Authorization: Bearer' (visible in ps)")
@@ -198,6 +234,12 @@ def add_loadtest_arguments(subparsers: Any) -> None:
     )
     stair.add_argument("--seed", type=int, default=0, help="prompt-length draws (default 0)")
     stair.add_argument(
+        "--cool-down",
+        type=_non_negative_float,
+        metavar="SECONDS",
+        help="pause between levels (default 30; 1 against simulators)",
+    )
+    stair.add_argument(
         "--no-rerun",
         action="store_true",
         help="confirm a stop line at the next level instead of re-running the level",
@@ -211,6 +253,17 @@ def add_loadtest_arguments(subparsers: Any) -> None:
     )
     _common(phases)
     phases.add_argument("--workload", required=True, help="workload YAML file")
+    phases.add_argument(
+        "--model",
+        help="model (pool) every request names, overriding the workload's model key",
+    )
+    phases.add_argument(
+        "--duration-scale",
+        type=_positive_float,
+        default=1.0,
+        metavar="FACTOR",
+        help="multiply every phase's duration_s by FACTOR (0.25: a quarter-length rehearsal)",
+    )
     phases.add_argument(
         "--fault-url",
         action="append",
@@ -228,6 +281,16 @@ def _out_dir(ns: argparse.Namespace, kind: str) -> Path:
 
 def _metrics_url(ns: argparse.Namespace) -> str | None:
     return "" if ns.no_metrics else ns.metrics_url
+
+
+def _admin_token(ns: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The admin token named by ``--admin-token-env``, or the error to print."""
+    if not ns.admin_token_env:
+        return None, None
+    token = os.environ.get(ns.admin_token_env)
+    if not token:
+        return None, f"environment variable {ns.admin_token_env} is not set"
+    return token, None
 
 
 def run_loadtest(ns: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -251,6 +314,10 @@ async def _staircase(ns: argparse.Namespace, out: TextIO) -> int:
         if not api_key:
             print(f"environment variable {ns.api_key_env} is not set", file=sys.stderr)
             return 2
+    admin_token, problem = _admin_token(ns)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     requests = ns.requests_per_level
     if requests is None and ns.seconds_per_level is None:
         requests = 100
@@ -273,6 +340,8 @@ async def _staircase(ns: argparse.Namespace, out: TextIO) -> int:
             metrics_url=_metrics_url(ns),
             seed=ns.seed,
             rerun=not ns.no_rerun,
+            cool_down_s=ns.cool_down,
+            admin_token=admin_token,
         )
     except ValueError as exc:
         print(f"invalid staircase: {exc}", file=sys.stderr)
@@ -283,7 +352,8 @@ async def _staircase(ns: argparse.Namespace, out: TextIO) -> int:
     await asyncio.to_thread(write_staircase_report, result, out_dir)  # matplotlib blocks
     verdict = result.verdict
     print(verdict.explanation, file=out)
-    for note in [*verdict.notes, *result.notes]:
+    print(f"model: {result.model}", file=out)
+    for note in [*verdict.notes, *result.notes, *result.resource_notes]:
         print(f"note: {note}", file=out)
     print("\n" + max_concurrency_snippet(result) + "\n", file=out)
     print(f"report: {out_dir / 'report.md'}", file=out)
@@ -294,12 +364,16 @@ async def _phases(ns: argparse.Namespace, out: TextIO) -> int:
     from proxy.loadtest.phases import PhasesPlan, resolve_fault_url, run_phases
     from proxy.loadtest.phases_report import write_phases_report
     from proxy.loadtest.progress import Progress
-    from proxy.loadtest.workload import WorkloadError, load_workload
+    from proxy.loadtest.workload import WorkloadError, load_workload, scale_durations
 
     try:
-        workload = load_workload(ns.workload)
+        workload = scale_durations(load_workload(ns.workload), ns.duration_scale)
     except WorkloadError as exc:
         print(f"invalid workload {ns.workload}:\n{exc}", file=sys.stderr)
+        return 2
+    admin_token, problem = _admin_token(ns)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     plan = PhasesPlan(
         url=ns.url,
@@ -307,6 +381,8 @@ async def _phases(ns: argparse.Namespace, out: TextIO) -> int:
         workload_source=ns.workload,
         fault_urls=tuple(ns.fault_url),
         metrics_url=_metrics_url(ns),
+        model=ns.model,
+        admin_token=admin_token,
     )
     missing = [
         f"tenants.{name}.api_key_env: {tenant.api_key_env} is not set"
@@ -336,5 +412,7 @@ async def _phases(ns: argparse.Namespace, out: TextIO) -> int:
     )
     for note in result.generator_notes:
         print(f"note: {note}", file=out)
+    for row in result.capacity:
+        print(f"{row.title}: {row.value_text()} ({row.detail})", file=out)
     print(f"report: {out_dir / 'report.md'}", file=out)
     return 0 if total.ok > 0 else 1

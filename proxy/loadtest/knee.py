@@ -6,7 +6,8 @@ level that tripped a stop line may appear twice (``run`` 1, then its re-run
 tables.
 
 - **Stop lines** (the operator notes' stop lines): p99 latency over twice the
-  first level's p99, any error, memory over 90%. With ``--p99-slo-ms`` a
+  first level's p99, any error, memory over 90% (engine KV cache or GPU
+  memory) or under 1 GiB of GPU memory free. With ``--p99-slo-ms`` a
   second line set replaces the doubling rule with "p99 over the SLO".
 - **Confirmation**: a stop line counts only when it holds at two consecutive
   levels or on a re-run of the level, so one noisy level never decides. The
@@ -33,6 +34,7 @@ from proxy.loadtest.levels import LevelStats
 __all__ = [
     "DEFAULT_LINES",
     "DEFAULT_RULES",
+    "MEMORY_FREE_MIN_BYTES",
     "MEMORY_LIMIT",
     "MIN_RISE",
     "P99_FACTOR",
@@ -55,6 +57,8 @@ __all__ = [
 P99_FACTOR = 2.0
 #: Memory (engine KV cache, else GPU memory) above this ratio is a stop line.
 MEMORY_LIMIT = 0.90
+#: GPU memory free below this (1 GiB, as nvidia-smi counts) is a stop line.
+MEMORY_FREE_MIN_BYTES = 1 << 30
 #: A level is still "rising" when its throughput is at least this much above the best before.
 MIN_RISE = 0.10
 
@@ -63,15 +67,18 @@ MIN_RISE = 0.10
 class KneeRules:
     """The thresholds, and the operator's switches: an SLO, and the memory line.
 
-    ``memory_line`` is off when memory was already over the limit before any
-    load (an engine that preallocates, as vLLM does with 90% of the GPU): the
-    line would then trip at every level and say nothing about concurrency.
+    ``memory_line`` (engine KV cache) and ``gpu_memory_line`` (GPU memory
+    used and free) are off when that memory was already over the line before
+    any load (an engine that preallocates, as vLLM does with 90% of the GPU):
+    the line would then trip at every level and say nothing about concurrency.
     """
 
     p99_slo_ms: float | None = None
     memory_line: bool = True
+    gpu_memory_line: bool = True
     p99_factor: float = P99_FACTOR
     memory_limit: float = MEMORY_LIMIT
+    memory_free_min_bytes: int = MEMORY_FREE_MIN_BYTES
     min_rise: float = MIN_RISE
 
 
@@ -83,10 +90,11 @@ class StopLine(StrEnum):
     P99_SLO = "p99_over_slo"
     ERRORS = "errors"
     MEMORY = "memory_over_90pct"
+    MEMORY_FREE = "memory_under_1gb_free"
 
 
-DEFAULT_LINES = frozenset({StopLine.P99, StopLine.ERRORS, StopLine.MEMORY})
-SLO_LINES = frozenset({StopLine.P99_SLO, StopLine.ERRORS, StopLine.MEMORY})
+DEFAULT_LINES = frozenset({StopLine.P99, StopLine.ERRORS, StopLine.MEMORY, StopLine.MEMORY_FREE})
+SLO_LINES = frozenset({StopLine.P99_SLO, StopLine.ERRORS, StopLine.MEMORY, StopLine.MEMORY_FREE})
 
 
 class Step(StrEnum):
@@ -177,6 +185,13 @@ def stop_lines(
     memory = level.memory_ratio
     if rules.memory_line and memory is not None and memory > rules.memory_limit:
         lines.add(StopLine.MEMORY)
+    if rules.gpu_memory_line:
+        gpu = level.gpu_memory_ratio
+        if gpu is not None and gpu > rules.memory_limit:
+            lines.add(StopLine.MEMORY)
+        free = level.gpu_memory_free_bytes
+        if free is not None and free < rules.memory_free_min_bytes:
+            lines.add(StopLine.MEMORY_FREE)
     return frozenset(lines)
 
 
@@ -306,6 +321,10 @@ def decide(levels: Sequence[LevelStats], rules: KneeRules = DEFAULT_RULES) -> Ve
     slo_stop: Stop | None = None
     if not rules.memory_line:
         notes.append("memory line off: memory was over the limit before any load")
+    if not rules.gpu_memory_line:
+        notes.append(
+            "GPU memory lines off: GPU memory was over 90% used or under 1 GiB free before any load"
+        )
     p99_slo_ms = rules.p99_slo_ms
     if p99_slo_ms is not None:
         slo_stop, slo_limit, slo_noise = find_stop(levels, SLO_LINES, rules)

@@ -46,6 +46,22 @@ class LevelStats:
     achieved_concurrency: float | None = None
     loop_lag_p99_ms: float | None = None
     truncated: bool = False
+    # Resources over the level (``resources``): CPU in cores busy (1.0 = one
+    # core), resident memory, GPU utilisation (mean of the busiest GPU) and
+    # GPU memory (peak ratio, least free); None where nothing measured it.
+    proxy_cpu: float | None = None
+    proxy_rss_bytes: int | None = None
+    engine_cpu: float | None = None
+    engine_rss_bytes: int | None = None
+    cpu_source: str | None = None
+    gpu_utilization: float | None = None
+    gpu_memory_ratio: float | None = None
+    gpu_memory_free_bytes: int | None = None
+    gpu_source: str | None = None
+    #: The cool-down waited before this level, and whether the target was idle after it.
+    cool_down_s: float = 0.0
+    idle_at_start: bool | None = None
+    busy_at_start: str | None = None
 
     @property
     def error_count(self) -> int:

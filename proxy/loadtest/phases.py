@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.loadtest.capacity import CapacityRow, capacity_table
 from proxy.loadtest.client import build_spec, make_session
 from proxy.loadtest.generator import LoopLag, run_open_loop
 from proxy.loadtest.progress import Progress
@@ -32,6 +33,7 @@ from proxy.loadtest.results import RequestResult, RequestSpec
 from proxy.loadtest.schedule import Arrival, PhaseWindow, build_arrivals, phase_windows
 from proxy.loadtest.scrape import MetricsSample, MetricsSampler, ScrapeTarget
 from proxy.loadtest.staircase import FALLBACK_MODEL, LAG_WARNING_MS, discover_model
+from proxy.loadtest.target import ConfigFingerprint, identify
 from proxy.loadtest.timeline import GOOD, PhasesSummary, classify, summarise_phases
 from proxy.loadtest.workload import PhaseFault, Workload
 
@@ -48,6 +50,13 @@ class PhasesPlan(ScrapeTarget):
     workload_source: str = "<workload>"
     fault_urls: tuple[str, ...] = ()
     metrics_url: str | None = None
+    #: The model (pool) every request names; None: the workload's, else discovered.
+    model: str | None = None
+    #: Bearer token for the proxy's admin API (its config fingerprint); None: none sent.
+    admin_token: str | None = None
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
 
 
 @dataclass(slots=True)
@@ -68,6 +77,8 @@ class PhasesResult:
     overloaded: int = 0
     unfinished: int = 0
     generator_notes: list[str] = field(default_factory=list)
+    config: ConfigFingerprint | None = None
+    capacity: tuple[CapacityRow, ...] = ()
 
 
 def resolve_fault_url(fault: PhaseFault, fault_urls: Sequence[str]) -> str:
@@ -186,15 +197,22 @@ async def run_phases(plan: PhasesPlan, progress: Progress | None = None) -> Phas
     first_key = next((t.key() for t in workload.tenants.values() if t.key()), None)
     discover_headers = {"Authorization": f"Bearer {first_key}"} if first_key else {}
     async with make_session(workload.max_in_flight, workload.request_timeout_s) as session:
-        model = workload.model or await discover_model(session, plan.base_url, discover_headers)
+        model = (
+            plan.model
+            or workload.model
+            or await discover_model(session, plan.base_url, discover_headers)
+        )
         if model is None:
             model = FALLBACK_MODEL
             notes.append(f"{plan.base_url}/v1/models named no model: sent {model!r}")
+        info = await identify(session, plan.base_url, plan.admin_headers())
+        notes.extend(info.notes)
+        pool = model if plan.model or workload.model else None
         specs = _spec_factory(workload, arrivals, model)
         zero = time.perf_counter()
         cpu_before = time.process_time()
         tally = _Tally(workload, windows, zero)
-        sampler = MetricsSampler(plan.scrape_url, zero, workload.metrics_interval_s)
+        sampler = MetricsSampler(plan.scrape_url, zero, workload.metrics_interval_s, pool)
         active: dict[str, dict[str, Any]] = {}
         async with sampler, LoopLag() as lag, progress:
             progress.status(lambda: tally.render(sampler))
@@ -255,6 +273,8 @@ async def run_phases(plan: PhasesPlan, progress: Progress | None = None) -> Phas
         overloaded=run.overloaded,
         unfinished=run.unfinished,
         generator_notes=notes,
+        config=info.config,
+        capacity=capacity_table(summary, windows, run.results, workload, info.config),
     )
 
 

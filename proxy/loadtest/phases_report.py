@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from proxy.loadtest.capacity import PEAK_GOOD, STABLE_GOOD
 from proxy.loadtest.client import ENDPOINTS
 from proxy.loadtest.plots import plot_timeline
 from proxy.loadtest.report import (
@@ -152,7 +153,34 @@ def phases_markdown(result: PhasesResult, *, plots: bool = True) -> str:
         f"{workload.timeline_bin_s:g} s bin; `requests.csv` one row per request.",
         "",
     ]
+    lines += _capacity_section(result)
     return "\n".join(lines)
+
+
+def _capacity_section(result: PhasesResult) -> list[str]:
+    """The capacity table, last: four figures from this run, each with its config."""
+    config = result.config
+    lines = ["## Capacity", ""]
+    lines += md_table(
+        ["", "measured", "from", "config"],
+        ([f"**{row.title}**", row.value_text(), row.detail, row.config] for row in result.capacity),
+        "lrll",
+    )
+    lines += [
+        "",
+        f"Stable load: the busiest fault-free phase with at least {STABLE_GOOD:.0%} of its "
+        f"requests good; acceptable peak: the same with at least {PEAK_GOOD:.0%}; burst "
+        "protection: how long the queues took to empty after the burst, and what the burst "
+        "cost; fault degradation: the good share while a fault was on. "
+        + (
+            f"Config `{config.short}` is the SHA-256 of the proxy's `GET /admin/config` "
+            "(the effective config, secrets masked) during this run."
+            if config is not None
+            else "The proxy's config was not readable (`GET /admin/config`): no fingerprint."
+        ),
+        "",
+    ]
+    return lines
 
 
 def _phases_csv(path: Path, result: PhasesResult) -> None:
@@ -235,6 +263,10 @@ def write_phases_report(result: PhasesResult, out_dir: Path) -> list[Path]:
                 {"t": s.t, "depth": s.total_depth, "by_queue": dict(s.queue_depth)}
                 for s in sorted(result.samples, key=lambda s: s.t)
             ],
+            "config": None
+            if result.config is None
+            else {"sha256": result.config.sha256, "summary": dict(result.config.summary)},
+            "capacity": {row.name: row.to_json() for row in result.capacity},
             "generator": {
                 "loop_lag_p99_ms": result.loop_lag_p99_ms,
                 "cpu_ratio": result.cpu_ratio,

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy.loadtest.client import ENDPOINTS
-from proxy.loadtest.knee import MEMORY_LIMIT, MIN_RISE, P99_FACTOR, describe_decider, stop_lines
+from proxy.loadtest.knee import (
+    MEMORY_FREE_MIN_BYTES,
+    MEMORY_LIMIT,
+    MIN_RISE,
+    P99_FACTOR,
+    describe_decider,
+    stop_lines,
+)
 from proxy.loadtest.levels import LevelStats
 from proxy.loadtest.plots import plot_staircase
 
@@ -30,6 +37,7 @@ __all__ = [
     "NO_PLOTS",
     "STAIRCASE_FILES",
     "csv_cell",
+    "fmt_bytes",
     "fmt_counts",
     "fmt_ms",
     "fmt_num",
@@ -66,6 +74,19 @@ def fmt_num(value: float | None, digits: int = 1) -> str:
 
 def fmt_counts(counts: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in counts.items()) or "-"
+
+
+def fmt_bytes(value: float | None) -> str:
+    """Bytes in GiB (MiB below one), as nvidia-smi and top count them."""
+    if value is None:
+        return "-"
+    if value >= 1 << 30:
+        return f"{value / (1 << 30):.2f} GiB"
+    return f"{value / (1 << 20):.0f} MiB"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> list[str]:
@@ -180,6 +201,7 @@ def staircase_markdown(result: StaircaseResult, *, plots: bool = True) -> str:
     if result.idle_memory is not None:
         ratio, source = result.idle_memory
         lines.append(f"- memory before load: {ratio:.0%} ({source})")
+    lines += _target_lines(result)
     lines += [
         "",
         "## Result",
@@ -253,6 +275,7 @@ def staircase_markdown(result: StaircaseResult, *, plots: bool = True) -> str:
         "",
         "`in flight` is the concurrency the generator actually kept (asked: `concurrency`).",
     ]
+    lines += _resource_section(result)
     if verdict.noise:
         lines += ["", "## Not counted (seen once, not confirmed)", ""]
         lines += [f"- level {n.concurrency}: {', '.join(n.lines)}; {n.why}" for n in verdict.noise]
@@ -268,13 +291,80 @@ def staircase_markdown(result: StaircaseResult, *, plots: bool = True) -> str:
     return "\n".join(lines)
 
 
+def _target_lines(result: StaircaseResult) -> list[str]:
+    info = result.target
+    if info is None:
+        return []
+    kind = "the proxy" if info.is_proxy else "an engine"
+    if info.simulator:
+        kind += " (simulated replicas)" if info.is_proxy else " (a simulator)"
+    lines = [f"- target is {kind}; cool-down between levels: {result.cool_down_s:g} s"]
+    if info.config is not None:
+        lines.append(f"- proxy config: {info.config.describe('seats', 'queues')}")
+    return lines
+
+
+def _resource_rows(levels: Sequence[LevelStats]) -> list[list[str]]:
+    def cores(value: float | None) -> str:
+        return "-" if value is None else f"{value * 100:.0f}%"
+
+    rows = []
+    for level in levels:
+        idle = {True: "yes", False: f"no: {level.busy_at_start}", None: "-"}[level.idle_at_start]
+        rows.append(
+            [
+                str(level.concurrency),
+                "re-run" if level.run > 1 else "",
+                f"{level.cool_down_s:g}",
+                idle,
+                cores(level.proxy_cpu),
+                fmt_bytes(level.proxy_rss_bytes),
+                cores(level.engine_cpu),
+                fmt_bytes(level.engine_rss_bytes),
+                fmt_ratio(level.gpu_utilization),
+                fmt_ratio(level.gpu_memory_ratio),
+                fmt_bytes(level.gpu_memory_free_bytes),
+            ]
+        )
+    return rows
+
+
+def _resource_section(result: StaircaseResult) -> list[str]:
+    sources = sorted(
+        {f"CPU from {level.cpu_source}" for level in result.levels if level.cpu_source}
+        | {f"GPU from {level.gpu_source}" for level in result.levels if level.gpu_source}
+    )
+    lines = ["", "## Resources", ""]
+    lines += md_table(
+        [
+            "concurrency", "run", "cool-down s", "idle at start", "proxy CPU", "proxy memory",
+            "engine CPU", "engine memory", "GPU util", "GPU memory", "GPU free",
+        ],
+        _resource_rows(result.levels),
+        "rlrlrrrrrrr",
+    )  # fmt: skip
+    lines += [
+        "",
+        "CPU is the processes' CPU time over the level's wall time (100% = one core busy); "
+        "memory is resident memory at the level's end; GPU util is the busiest GPU's mean, "
+        f"GPU memory its peak use and least free. Memory stop line: over {MEMORY_LIMIT:.0%} used "
+        f"(engine KV cache or GPU memory) or under {fmt_bytes(MEMORY_FREE_MIN_BYTES)} GPU memory "
+        "free. " + ("Sources: " + ", ".join(sources) + "." if sources else ""),
+    ]
+    if result.resource_notes:
+        lines += [""] + [f"- {note}" for note in result.resource_notes]
+    return lines
+
+
 def _staircase_csv(path: Path, levels: Sequence[LevelStats]) -> None:
     fields = [
         "concurrency", "run", "achieved_concurrency", "requests", "ok", "error_count", "errors",
         "duration_s", "requests_per_s", "output_tokens_per_s", "latency_p50_ms",
         "latency_p95_ms", "latency_p99_ms", "ttft_p50_ms", "ttft_p95_ms", "queue_p50_ms",
         "queue_p95_ms", "queue_source", "memory_ratio", "memory_source", "loop_lag_p99_ms",
-        "truncated",
+        "truncated", "proxy_cpu", "proxy_rss_bytes", "engine_cpu", "engine_rss_bytes",
+        "cpu_source", "gpu_utilization", "gpu_memory_ratio", "gpu_memory_free_bytes",
+        "gpu_source", "cool_down_s", "idle_at_start", "busy_at_start",
     ]  # fmt: skip
     write_csv(path, fields, (
         {**level.to_json(), "errors": ";".join(f"{k}={v}" for k, v in level.errors.items())}
@@ -297,6 +387,19 @@ def csv_cell(value: object) -> object:
     if isinstance(value, float):
         return round(value, 3)
     return value
+
+
+def _target_json(result: StaircaseResult) -> dict[str, object] | None:
+    info = result.target
+    if info is None:
+        return None
+    config = info.config
+    return {
+        "kind": info.kind,
+        "simulator": info.simulator,
+        "config_sha256": None if config is None else config.sha256,
+        "config_summary": None if config is None else dict(config.summary),
+    }
 
 
 def write_staircase_report(result: StaircaseResult, out_dir: Path) -> list[Path]:
@@ -332,6 +435,9 @@ def write_staircase_report(result: StaircaseResult, out_dir: Path) -> list[Path]
             "verdict": verdict.to_json(),
             "snippet": max_concurrency_snippet(result),
             "idle_memory": None if result.idle_memory is None else list(result.idle_memory),
+            "target_info": _target_json(result),
+            "cool_down_s": result.cool_down_s,
+            "resource_notes": list(result.resource_notes),
             "notes": [*verdict.notes, *result.notes],
         },
     )

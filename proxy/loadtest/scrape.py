@@ -68,6 +68,10 @@ class MetricsSample:
     retry_budget_exhausted: float | None = None
     memory_ratio: float | None = None
     memory_source: str | None = None
+    #: ``process_cpu_seconds_total`` and ``process_resident_memory_bytes`` of the
+    #: process serving ``/metrics`` (prometheus_client's process collector; vLLM has it).
+    process_cpu_s: float | None = None
+    process_rss_bytes: float | None = None
 
     @property
     def total_depth(self) -> float | None:
@@ -81,9 +85,17 @@ class MetricsSample:
         return sum(self.retries.values())
 
 
-def parse_metrics(text: str, t: float) -> MetricsSample:
-    """The figures the load tests use from one Prometheus text exposition."""
+def parse_metrics(text: str, t: float, model: str | None = None) -> MetricsSample:
+    """The figures the load tests use from one Prometheus text exposition.
+
+    With ``model``, the queue depth is that model pool's
+    (``admission_model_queue_depth{model}``) when the proxy exports it, so a
+    run aimed at one pool is not blamed for another pool's queue.
+    """
     depth: dict[str, float] = {}
+    pool_depth: float | None = None
+    process_cpu: float | None = None
+    process_rss: float | None = None
     retries: dict[str, float] = {}
     kv: dict[str, float] = {}
     gpu_memory: list[float] = []
@@ -96,6 +108,13 @@ def parse_metrics(text: str, t: float) -> MetricsSample:
             if name == "admission_queue_depth":
                 key = f"{labels.get('tenant', '')}/{labels.get('priority', '')}"
                 depth[key] = depth.get(key, 0.0) + value
+            elif name == "admission_model_queue_depth":
+                if model is not None and labels.get("model") == model:
+                    pool_depth = (pool_depth or 0.0) + value
+            elif name == "process_cpu_seconds_total":
+                process_cpu = value
+            elif name == "process_resident_memory_bytes":
+                process_rss = value
             elif name == "admission_retries_total":
                 reason = labels.get("reason", "")
                 retries[reason] = retries.get(reason, 0.0) + value
@@ -118,6 +137,8 @@ def parse_metrics(text: str, t: float) -> MetricsSample:
     else:
         if gpu_memory:
             memory_ratio, memory_source = max(gpu_memory), "gpu_memory"
+    if pool_depth is not None:
+        depth = {f"model:{model}": pool_depth}
     return MetricsSample(
         t=t,
         queue_depth=depth,
@@ -127,11 +148,13 @@ def parse_metrics(text: str, t: float) -> MetricsSample:
         retry_budget_exhausted=exhausted,
         memory_ratio=memory_ratio,
         memory_source=memory_source,
+        process_cpu_s=process_cpu,
+        process_rss_bytes=process_rss,
     )
 
 
 async def scrape_once(
-    session: aiohttp.ClientSession, url: str, zero: float
+    session: aiohttp.ClientSession, url: str, zero: float, model: str | None = None
 ) -> MetricsSample | None:
     """One scrape, or None when the target has no usable ``/metrics`` right now."""
     try:
@@ -143,7 +166,7 @@ async def scrape_once(
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None
     try:
-        return parse_metrics(text, time.perf_counter() - zero)
+        return parse_metrics(text, time.perf_counter() - zero, model)
     except ValueError:  # not Prometheus text
         return None
 
@@ -156,10 +179,15 @@ class MetricsSampler:
     nothing, so callers need no second code path when scraping is off.
     """
 
-    __slots__ = ("_interval_s", "_session", "_task", "_url", "_zero", "failures", "samples")
+    __slots__ = (
+        "_interval_s", "_model", "_session", "_task", "_url", "_zero", "failures", "samples",
+    )  # fmt: skip
 
-    def __init__(self, url: str | None, zero: float, interval_s: float) -> None:
+    def __init__(
+        self, url: str | None, zero: float, interval_s: float, model: str | None = None
+    ) -> None:
         self._url = url
+        self._model = model
         self._zero = zero
         self._interval_s = interval_s
         self._session: aiohttp.ClientSession | None = None
@@ -187,7 +215,7 @@ class MetricsSampler:
         """One extra scrape right now (a phase boundary), recorded with the others."""
         if self._session is None or self._url is None:
             return None
-        sample = await scrape_once(self._session, self._url, self._zero)
+        sample = await scrape_once(self._session, self._url, self._zero, self._model)
         if sample is None:
             self.failures += 1
         else:
@@ -214,6 +242,16 @@ class MetricsSampler:
             return None
         ratio, source = max(readings, key=lambda reading: reading[0] or 0.0)
         return (ratio or 0.0), source or ""
+
+    def process_cpu(self, start: float, end: float) -> tuple[float | None, float | None]:
+        """CPU (seconds per second) and peak resident bytes of the scraped process."""
+        inside = [s for s in self.samples if start <= s.t <= end and s.process_cpu_s is not None]
+        if len(inside) < 2 or inside[-1].t <= inside[0].t:
+            return None, None
+        first, last = inside[0], inside[-1]
+        cpu = max(0.0, (last.process_cpu_s or 0.0) - (first.process_cpu_s or 0.0))
+        rss = [s.process_rss_bytes for s in inside if s.process_rss_bytes is not None]
+        return cpu / (last.t - first.t), (max(rss) if rss else None)
 
     def __repr__(self) -> str:
         return f"<MetricsSampler {self._url} {len(self.samples)} samples, {self.failures} failed>"

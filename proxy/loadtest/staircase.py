@@ -14,21 +14,34 @@ prefix cache cannot make later levels look faster.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import functools
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
 from proxy.loadtest.client import ENDPOINTS, build_spec, make_session
 from proxy.loadtest.generator import LoopLag, run_closed_loop
-from proxy.loadtest.knee import DEFAULT_RULES, KneeRules, Step, Verdict, decide, next_step
+from proxy.loadtest.knee import (
+    DEFAULT_RULES,
+    KneeRules,
+    Step,
+    Verdict,
+    decide,
+    next_step,
+    stop_lines,
+)
 from proxy.loadtest.levels import LevelStats, summarise_level
 from proxy.loadtest.progress import Progress
+from proxy.loadtest.resources import LevelResources, ResourceSampler
 from proxy.loadtest.results import RequestResult, RequestSpec
 from proxy.loadtest.scrape import MetricsSampler, ScrapeTarget
+from proxy.loadtest.target import Busy, TargetInfo, identify, is_loopback, read_busy
+from proxy.telemetry.gpu import GpuProbe
 
 __all__ = [
     "DEFAULT_LEVELS",
@@ -50,6 +63,14 @@ DEFAULT_METRICS_INTERVAL_S = 0.5
 FALLBACK_MODEL = "default"
 #: Event-loop lag (p99) above which the report warns that the generator was busy.
 LAG_WARNING_MS = 25.0
+#: Default cool-down between levels against a real engine: the operator notes'
+#: ``sleep 30``, time for the engine to finish what the last level left behind,
+#: free its KV cache and let the GPU's clocks and temperature settle.
+REAL_COOL_DOWN_S = 30.0
+#: Default cool-down against simulators (``admission-proxy sim``), which keep no
+#: cache and no heat: long enough for sequences the last level abandoned to leave
+#: the batch. The idle check at each level's start reports any that did not.
+SIM_COOL_DOWN_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +95,13 @@ class StaircasePlan(ScrapeTarget):
     metrics_interval_s: float = DEFAULT_METRICS_INTERVAL_S
     seed: int = 0
     rerun: bool = True
+    #: Seconds between levels; None: ``REAL_COOL_DOWN_S``, or ``SIM_COOL_DOWN_S``
+    #: when the target (every replica, through the proxy) is a simulator.
+    cool_down_s: float | None = None
+    #: Bearer token for the proxy's admin API (state, config); None: none sent.
+    admin_token: str | None = None
+    #: GPU readings instead of NVML (tests); None: NVML when the target is local.
+    gpu_probe: GpuProbe | None = None
 
     def __post_init__(self) -> None:
         if not self.levels or any(c < 1 for c in self.levels):
@@ -95,6 +123,8 @@ class StaircasePlan(ScrapeTarget):
             raise ValueError("warmup must be >= 0")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}")
+        if self.cool_down_s is not None and self.cool_down_s < 0:
+            raise ValueError("cool_down_s must be >= 0")
 
     def warmup_for(self, concurrency: int) -> int:
         """Requests discarded at the start of a level: by default one per worker."""
@@ -102,6 +132,9 @@ class StaircasePlan(ScrapeTarget):
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
 
 
 @dataclass(slots=True)
@@ -115,6 +148,11 @@ class StaircaseResult:
     rules: KneeRules = DEFAULT_RULES
     idle_memory: tuple[float, str] | None = None
     notes: list[str] = field(default_factory=list)
+    target: TargetInfo | None = None
+    cool_down_s: float = 0.0
+    #: What could not be measured and why (GPU, CPU).
+    resource_notes: list[str] = field(default_factory=list)
+    idle_gpu: LevelResources | None = None
 
 
 async def discover_model(
@@ -197,26 +235,55 @@ async def run_staircase(plan: StaircasePlan, progress: Progress | None = None) -
         if model is None:
             model = FALLBACK_MODEL
             notes.append(f"{plan.base_url}/v1/models named no model: sent {model!r} (use --model)")
-        sampler = MetricsSampler(plan.scrape_url, zero, plan.metrics_interval_s)
-        async with sampler, LoopLag() as lag, progress:
+        info = await identify(session, plan.base_url, plan.admin_headers())
+        notes.extend(info.notes)
+        cool_down = _cool_down(plan, info, notes)
+        pool = model if plan.model else None
+        sampler = MetricsSampler(plan.scrape_url, zero, plan.metrics_interval_s, pool)
+        resources = ResourceSampler(
+            info,
+            plan.base_url,
+            plan.admin_headers(),
+            plan.metrics_interval_s,
+            gpu_probe=plan.gpu_probe,
+            local=is_loopback(plan.base_url),
+            pool=pool,
+        )
+        async with sampler, resources, LoopLag() as lag, progress:
             idle = await sampler.scrape_now()
             idle_memory = None
             if idle is not None and idle.memory_ratio is not None and idle.memory_source:
                 idle_memory = (idle.memory_ratio, idle.memory_source)
-            rules = KneeRules(p99_slo_ms=plan.p99_slo_ms)
-            if idle_memory is not None and idle_memory[0] > rules.memory_limit:
-                rules = KneeRules(p99_slo_ms=plan.p99_slo_ms, memory_line=False)
+            rules = _rules(plan, idle_memory, resources.idle_gpu())
             index = 0
             while index < len(plan.levels):
                 concurrency = plan.levels[index]
                 run = 1 + sum(1 for level in levels if level.concurrency == concurrency)
-                stats = await _run_level(
+                waited = 0.0
+                if levels and cool_down > 0:
+                    text = f"cool-down {cool_down:g} s before level {concurrency}"
+                    progress.status(functools.partial(str, text))
+                    await asyncio.sleep(cool_down)
+                    waited = cool_down
+                busy = await read_busy(
+                    session,
+                    plan.base_url,
+                    info,
+                    plan.admin_headers(),
+                    metrics_url=plan.scrape_url,
+                    model=pool,
+                )
+                mark = await resources.mark()
+                stats, window = await _run_level(
                     session, plan, model, concurrency, run, zero, lag, sampler, progress
                 )
+                used = await resources.level(mark)
+                stats = _with_resources(stats, used, sampler, window, info, waited, busy)
                 levels.append(stats)
                 progress.line(_level_line(stats))
                 step = next_step(levels, rules)
                 if step is Step.STOP:
+                    notes.append(_stop_note(levels, rules))
                     break
                 if step is Step.RERUN and plan.rerun:
                     continue
@@ -229,6 +296,16 @@ async def run_staircase(plan: StaircasePlan, progress: Progress | None = None) -
             "it may have been the bottleneck; run it on another machine or core"
         )
     notes.extend(_concurrency_notes(levels))
+    busy_levels = [
+        f"{level.concurrency}{' (re-run)' if level.run > 1 else ''}: {level.busy_at_start}"
+        for level in levels
+        if level.idle_at_start is False
+    ]
+    if busy_levels:
+        notes.append(
+            "the target was not idle when these levels started (after the cool-down): "
+            + "; ".join(busy_levels)
+        )
     return StaircaseResult(
         plan=plan,
         levels=levels,
@@ -239,6 +316,105 @@ async def run_staircase(plan: StaircasePlan, progress: Progress | None = None) -
         rules=rules,
         idle_memory=idle_memory,
         notes=notes,
+        target=info,
+        cool_down_s=cool_down,
+        resource_notes=list(resources.notes),
+        idle_gpu=resources.idle_gpu(),
+    )
+
+
+def _cool_down(plan: StaircasePlan, info: TargetInfo, notes: list[str]) -> float:
+    if plan.cool_down_s is not None:
+        return plan.cool_down_s
+    if info.simulator:
+        return SIM_COOL_DOWN_S
+    notes.append(
+        f"cool-down {REAL_COOL_DOWN_S:g} s between levels: the target is not (only) "
+        "simulators; --cool-down sets it"
+    )
+    return REAL_COOL_DOWN_S
+
+
+def _rules(
+    plan: StaircasePlan, idle_memory: tuple[float, str] | None, idle_gpu: LevelResources | None
+) -> KneeRules:
+    """The knee rules, with each memory line off when it held before any load."""
+    rules = KneeRules(p99_slo_ms=plan.p99_slo_ms)
+    memory_line = idle_memory is None or idle_memory[0] <= rules.memory_limit
+    gpu_line = idle_gpu is None or not (
+        (idle_gpu.gpu_memory_ratio or 0.0) > rules.memory_limit
+        or (
+            idle_gpu.gpu_memory_free_bytes is not None
+            and idle_gpu.gpu_memory_free_bytes < rules.memory_free_min_bytes
+        )
+    )
+    return replace(rules, memory_line=memory_line, gpu_memory_line=gpu_line)
+
+
+def _with_resources(
+    stats: LevelStats,
+    used: LevelResources,
+    sampler: MetricsSampler,
+    window: tuple[float, float],
+    info: TargetInfo,
+    waited: float,
+    busy: Busy | None,
+) -> LevelStats:
+    """The level's row with its resource readings and its start state."""
+    proxy_cpu, proxy_rss = used.proxy_cpu, used.proxy_rss_bytes
+    engine_cpu, engine_rss = used.engine_cpu, used.engine_rss_bytes
+    cpu_source = "proc" if proxy_cpu is not None or engine_cpu is not None else None
+    if cpu_source is None:  # a remote target that exports its process metrics
+        cpu, rss = sampler.process_cpu(*window)
+        if cpu is not None:
+            cpu_source = "metrics"
+            if info.is_proxy:
+                proxy_cpu, proxy_rss = cpu, None if rss is None else int(rss)
+            else:
+                engine_cpu, engine_rss = cpu, None if rss is None else int(rss)
+    memory_ratio, memory_source = stats.memory_ratio, stats.memory_source
+    if memory_ratio is None and used.kv_cache is not None:  # the engines behind the proxy
+        memory_ratio, memory_source = used.kv_cache, "kv_cache"
+    return replace(
+        stats,
+        memory_ratio=memory_ratio,
+        memory_source=memory_source,
+        proxy_cpu=proxy_cpu,
+        proxy_rss_bytes=proxy_rss,
+        engine_cpu=engine_cpu,
+        engine_rss_bytes=engine_rss,
+        cpu_source=cpu_source,
+        gpu_utilization=used.gpu_utilization,
+        gpu_memory_ratio=used.gpu_memory_ratio,
+        gpu_memory_free_bytes=used.gpu_memory_free_bytes,
+        gpu_source=used.gpu_source,
+        cool_down_s=waited,
+        idle_at_start=None if busy is None else busy.idle,
+        busy_at_start=None if busy is None or busy.idle else busy.describe(),
+    )
+
+
+def _stop_note(levels: list[LevelStats], rules: KneeRules) -> str:
+    """Why the staircase stopped, with the readings that crossed the line."""
+    last = levels[-1]
+    baseline = levels[0].latency_p99_ms
+    lines = sorted(str(line) for line in stop_lines(last, baseline, rules))
+    facts: list[str] = []
+    if last.error_count:
+        facts.append(f"{last.error_count} errors")
+    if last.latency_p99_ms is not None and baseline is not None:
+        facts.append(f"p99 {last.latency_p99_ms:.0f} ms vs {baseline:.0f} ms at the first level")
+    if last.memory_ratio is not None:
+        facts.append(f"{last.memory_source or 'memory'} {last.memory_ratio:.0%}")
+    if last.gpu_memory_ratio is not None:
+        free = (last.gpu_memory_free_bytes or 0) / (1 << 30)
+        facts.append(
+            f"GPU memory {last.gpu_memory_ratio:.0%} used, {free:.2f} GiB free ({last.gpu_source})"
+        )
+    rerun = " (re-run)" if last.run > 1 else ""
+    return (
+        f"stopped after level {last.concurrency}{rerun}: stop line confirmed "
+        f"({', '.join(lines) or 'see the table'}); {'; '.join(facts)}"
     )
 
 
@@ -266,7 +442,8 @@ async def _run_level(
     lag: LoopLag,
     sampler: MetricsSampler,
     progress: Progress,
-) -> LevelStats:
+) -> tuple[LevelStats, tuple[float, float]]:
+    """The level's row, and its span on the run's clock (for the scraped readings)."""
     low, high = plan.input_tokens
     headers = plan.headers()
 
@@ -302,8 +479,9 @@ async def _run_level(
     )
     progress.status(None)
     await sampler.scrape_now()
-    memory = sampler.peak_memory(began, time.perf_counter() - zero)
-    return summarise_level(
+    ended = time.perf_counter() - zero
+    memory = sampler.peak_memory(began, ended)
+    stats = summarise_level(
         concurrency,
         outcome.measured,
         outcome.window,
@@ -313,3 +491,4 @@ async def _run_level(
         loop_lag_p99_ms=lag.p99_ms(mark),
         truncated=outcome.truncated,
     )
+    return stats, (began, ended)

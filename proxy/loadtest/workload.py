@@ -78,6 +78,7 @@ __all__ = [
     "WorkloadError",
     "load_workload",
     "parse_workload",
+    "scale_durations",
 ]
 
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
@@ -297,6 +298,17 @@ def _reference_problems(raw: Mapping[str, Any]) -> Problems:
     if isinstance(drain_after, str) and isinstance(phases, list) and drain_after not in seen:
         problems.append((("drain_after",), f"no phase is named {drain_after!r}"))
     return problems
+
+
+def scale_durations(workload: Workload, factor: float) -> Workload:
+    """``workload`` with every phase ``factor`` times as long (same rates and faults)."""
+    if factor == 1.0:
+        return workload
+    phases = tuple(
+        phase.model_copy(update={"duration_s": phase.duration_s * factor})
+        for phase in workload.phases
+    )
+    return workload.model_copy(update={"phases": phases})
 
 
 def parse_workload(text: str, source: str = "<string>") -> Workload:

@@ -1,0 +1,144 @@
+"""Load tests per model pool: two simulators serving different models behind one proxy.
+
+``loadtest staircase --model`` and ``loadtest phases --model`` must load the
+named pool only, and their reports must name it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.cli import main
+from proxy.loadtest.phases import PhasesPlan, run_phases
+from proxy.loadtest.phases_report import write_phases_report
+from proxy.loadtest.report import write_staircase_report
+from proxy.loadtest.scrape import parse_metrics
+from proxy.loadtest.staircase import StaircasePlan, run_staircase
+from proxy.loadtest.workload import workload_from_mapping
+from proxy.sim import SimConfig, SimServer, start_sim
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, make_config
+from tests.test_loadtest_runs import phases_workload, sim_in_thread
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+FAST = SimConfig(slots=2, decode_base_ms=2.0, decode_per_seq_ms=0.5, prefill_ms_per_token=0.0)
+
+
+@pytest.fixture
+async def two_pools() -> AsyncIterator[dict[str, SimServer]]:
+    """Two simulated replicas: ``alpha`` served by one, ``beta`` by the other."""
+    sims = {name: await start_sim(replace(FAST, model_name=name)) for name in ("alpha", "beta")}
+    try:
+        yield sims
+    finally:
+        for sim in sims.values():
+            await sim.close()
+
+
+def pool_config(sims: dict[str, SimServer]) -> dict[str, Any]:
+    return {
+        "replicas": [
+            {"name": f"r-{name}", "url": sim.url, "max_concurrency": 2, "models": [name]}
+            for name, sim in sims.items()
+        ],
+    }
+
+
+def submitted(sim: SimServer) -> int:
+    return sim.engine.stats().submitted
+
+
+async def test_staircase_with_model_loads_only_that_pool(
+    start_proxy: Start, two_pools: dict[str, SimServer], tmp_path: Path
+) -> None:
+    """A staircase for ``beta`` through the proxy: beta's replica serves every request,
+    alpha's none; the report names beta, and the idle check reads beta's pool."""
+    config = make_config([], **pool_config(two_pools))
+    proxy = await start_proxy(config, access_log=False)
+    before = {name: submitted(sim) for name, sim in two_pools.items()}
+    plan = StaircasePlan(
+        url=proxy.url,
+        model="beta",
+        levels=(1, 2),
+        requests_per_level=6,
+        max_tokens=4,
+        input_tokens=(8, 16),
+        api_key=KEY_A,
+        cool_down_s=0.0,
+    )
+    result = await run_staircase(plan)
+    assert all(level.error_count == 0 for level in result.levels), result.levels
+    sent = sum(level.requests for level in result.levels)
+    warmups = sum(plan.warmup_for(level.concurrency) for level in result.levels)
+    assert submitted(two_pools["beta"]) - before["beta"] >= sent + warmups
+    assert submitted(two_pools["alpha"]) == before["alpha"]
+    assert result.model == "beta"
+    assert all(level.idle_at_start is True for level in result.levels)
+    write_staircase_report(result, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["model"] == "beta"
+    assert "model `beta`" in (tmp_path / "report.md").read_text()
+
+
+async def test_phases_with_model_loads_only_that_pool(
+    start_proxy: Start, two_pools: dict[str, SimServer], tmp_path: Path
+) -> None:
+    """A phases run aimed at ``alpha``: alpha's replica gets the load, beta's none, and the
+    report names alpha."""
+    config = make_config([], **pool_config(two_pools))
+    proxy = await start_proxy(config, access_log=False)
+    before = {name: submitted(sim) for name, sim in two_pools.items()}
+    doc = phases_workload(
+        phases=[
+            {"name": "baseline", "duration_s": 0.5, "rate_per_s": 10},
+            {"name": "burst", "duration_s": 0.5, "rate_per_s": 40},
+        ]
+    )
+    plan = PhasesPlan(url=proxy.url, workload=workload_from_mapping(doc), model="alpha")
+    result = await run_phases(plan)
+    assert result.model == "alpha"
+    answered = [r for r in result.results if r.status == 200]
+    assert answered
+    assert submitted(two_pools["alpha"]) - before["alpha"] >= len(answered)
+    assert submitted(two_pools["beta"]) == before["beta"]
+    write_phases_report(result, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["model"] == "alpha"
+
+
+def test_parse_metrics_reads_one_pools_queue() -> None:
+    """With a model named, the queue depth is that pool's, not every tenant's."""
+    text = (
+        'admission_queue_depth{tenant="a",priority="standard"} 5\n'
+        'admission_model_queue_depth{model="alpha"} 3\n'
+        'admission_model_queue_depth{model="beta"} 2\n'
+    )
+    assert parse_metrics(text, 0.0).total_depth == 5
+    assert parse_metrics(text, 0.0, "beta").total_depth == 2
+    assert parse_metrics(text, 0.0, "gamma").total_depth == 5  # no such pool: the whole queue
+
+
+def test_cli_phases_model_flag_reaches_the_named_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`loadtest phases --model NAME` overrides the workload's model: the report names it,
+    and the command prints the capacity table."""
+    doc = phases_workload(
+        phases=[{"name": "baseline", "duration_s": 0.5, "rate_per_s": 10}], slo={}
+    )
+    for tenant in doc["tenants"].values():
+        tenant.pop("slo", None)
+    workload = tmp_path / "workload.json"
+    workload.write_text(json.dumps(doc))
+    with sim_in_thread(replace(FAST, model_name="gamma")) as url:
+        argv = ["loadtest", "phases", "--url", url, "--workload", str(workload), "--quiet"]
+        status = main([*argv, "--model", "named-by-flag", "--out", str(tmp_path / "out")])
+    assert status == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["model"] == "named-by-flag"
+    assert "capacity" in report
+    assert "stable load:" in capsys.readouterr().out
