@@ -15,9 +15,13 @@ at most 1.2.
 The proxy's part is structural (B's tickets never wait in A's queue); what a
 flood can still do to B on this machine is take CPU: engines, proxy and load
 generator share two cores, so A's busy engine and its traffic compete with
-B's. On a GPU host each engine has its own device.
+B's. On a GPU host each engine has its own device. ``--pin`` models that on
+a CPU machine: A's engine runs on CPU 0 alone, and B's engine, the proxy and
+the load generator share CPU 1 in every phase, so what the flood still adds
+to B's TTFT is the proxy's own work for A's traffic (which shares B's CPU)
+and what the two CPUs share (caches, memory bandwidth).
 
-    .venv/bin/python -m bench.model_isolation [--seconds 15] [--output PATH]
+    .venv/bin/python -m bench.model_isolation [--seconds 15] [--pin] [--output PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import tempfile
@@ -215,6 +220,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     except MissingToolchain as exc:
         raise SystemExit(f"model_isolation: {exc}") from exc
     print(cpu_line(), flush=True)
+    pinned = bool(args.pin)
+    if pinned:
+        # Inherited by B's engine and the proxy, started below; A's engine is
+        # moved to CPU 0 by taskset.
+        os.sched_setaffinity(0, {1})
     rng = random.Random(15)
     offsets: list[float] = []
     at = 0.0
@@ -233,6 +243,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 argv = [str(engine.server), "-m", str(engine.model), "--host", "127.0.0.1",
                         "--port", str(port), "--parallel", str(SLOTS), "-c", str(4096 * SLOTS),
                         "-t", "1", "--metrics", "--no-webui", "-a", alias]  # fmt: skip
+                if pinned and index == 0:  # model-a: the flooded engine, alone on CPU 0
+                    argv = ["taskset", "-c", "0", *argv]
                 running.engines.append(
                     start_server(f"llama-{index}", argv, port, "/health", workdir, scrubbed_env())
                 )
@@ -276,7 +288,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "model_isolation",
         "revision": revision(),
-        "machine": machine("engines, proxy and load generator share the machine"),
+        "machine": machine(
+            "model-a's engine on CPU 0; B's engine, proxy and load generator on CPU 1"
+            if pinned
+            else "engines, proxy and load generator share the machine"
+        ),
+        "pinned": pinned,
         "setup": {
             "b_rate": B_RATE,
             "b_requests": len(offsets),
@@ -306,7 +323,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each B phase")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="model-a's engine alone on CPU 0, everything else on CPU 1 (needs 2 CPUs, Linux)",
+    )
     args = parser.parse_args()
+    if args.pin and (not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2):
+        parser.error("--pin needs Linux and at least 2 CPUs")
     result = uvloop.run(main_async(args))
     print("| phase | B ok | B TTFT p50 ms | B TTFT p99 ms | B queued > 1 ms | B queue_ms max |")
     print("|---|---:|---:|---:|---:|---:|")
