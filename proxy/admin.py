@@ -37,6 +37,7 @@ from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import dump_effective_config
 from proxy.telemetry.history import HISTORY
 from proxy.telemetry.metrics import StateCollector, StateSnapshot
+from proxy.telemetry.state_metrics import SharedStateCollector
 from proxy.ui import add_ui_routes
 
 log = structlog.get_logger(__name__)
@@ -277,6 +278,7 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
 def add_admin_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
     runtime.telemetry.metrics.registry.register(StateCollector(lambda: state_snapshot(runtime)))
+    runtime.telemetry.metrics.registry.register(SharedStateCollector(lambda: runtime.state))
     get = ("GET", "HEAD")
     app.router.add_route("*", "/healthz", reserved_path(healthz, get))
     app.router.add_route("*", "/readyz", reserved_path(readyz, get))

@@ -122,9 +122,16 @@ def build_runtime(
 
     probe = gpu if gpu is not None else FakeGpuProbe()
     sampler = GpuSampler(probe, gpu_guard, config.gpu.sample_ms / 1000.0)
+    state = None
+    if config.state.backend == "redis":
+        from proxy.state.shared import SharedState
+
+        state = SharedState(config.state, clock)
+        dispatcher.shared = state.places
+        state.places.on_freed = dispatcher.freed
     return Runtime(
         rules, clock, pool, dispatcher, quotas, telemetry, health, retry_policy, retry_budget,
-        sampler, models=models,
+        sampler, models=models, state=state,
     )  # fmt: skip
 
 
@@ -207,6 +214,19 @@ def build_app(
         yield
         await stop(task)
 
+    async def shared_state(app: web.Application) -> AsyncIterator[None]:
+        """``state.backend: redis``: renewals, heartbeat, releases, notifications."""
+        state = runtime.state
+        if state is None:
+            yield
+            return
+        tasks = [asyncio.create_task(loop()) for loop in state.background()]
+        yield
+        for task in reversed(tasks):
+            await stop(task)
+        await state.close()
+
+    app.cleanup_ctx.append(shared_state)
     app.cleanup_ctx.append(upstream_session)
     app.cleanup_ctx.append(health_loop)
     app.cleanup_ctx.append(config_watcher)

@@ -67,6 +67,8 @@ class Ticket:
     model: str | None = None
     #: ``prefix_affinity``: the hash that picks its replica (``affinity.py``).
     affinity: int | None = None
+    #: Shared state: its tenant place across instances (``proxy/places.py``).
+    place: object | None = None
 
     def __repr__(self) -> str:
         return f"<Ticket #{self.id} {self.tenant}/{self.priority} cost={self.cost:.0f}>"

@@ -108,7 +108,9 @@ async def test_redis_down_fails_fast_then_comes_back(redis_server: RedisServer) 
     config = StateConfig(
         backend="redis", redis_url=redis_server.url, timeout_ms=200, on_failure="local_share"
     )
-    client = StateClient(config, on_change=lambda up, _exc: changes.append(up))
+    client = StateClient(
+        config, on_change=lambda up, _exc: changes.append(up), probe_interval_s=0.0
+    )
     client.instances = 3
     store = LeaseStore(client, "a", 10_000)
     seats = KEYS.seats("gpu-0")
