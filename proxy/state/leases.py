@@ -162,7 +162,7 @@ class LeaseKeeper:
     renewed, and the caller stops counting it.
     """
 
-    __slots__ = ("_by_key", "_on_lost", "_restore", "_soon", "_store")
+    __slots__ = ("_by_key", "_on_lost", "_restore", "_soon", "_store", "on_restored")
 
     def __init__(
         self,
@@ -178,6 +178,8 @@ class LeaseKeeper:
         self._restore = restore
         self._by_key: dict[str, dict[str, Lease]] = {}
         self._soon = asyncio.Event()
+        #: ``restore``: told when Redis had lost leases this process holds (a restart).
+        self.on_restored: Callable[[], None] | None = None
 
     def add(self, lease: Lease) -> None:
         self._by_key.setdefault(lease.key, {})[lease.id] = lease
@@ -195,7 +197,8 @@ class LeaseKeeper:
         for key, held in list(self._by_key.items()):
             try:
                 if self._restore:
-                    await self._store.restore(key, list(held))
+                    if await self._store.restore(key, list(held)) and self.on_restored:
+                        self.on_restored()
                     continue
                 ids = await self._store.renew(key, list(held))
             except StateDown:

@@ -16,6 +16,12 @@ that the keeper adds to Redis at its first renewal once Redis answers again
 place this process holds, whichever way it was taken), so a switch either
 way neither loses nor counts twice a request in flight.
 
+Back from down (or Redis found to have lost leases: a restart), the local
+share keeps applying on top of Redis for one ``lease_ms`` (``recovered``):
+another process may not have noticed yet, and its requests in flight are not
+in Redis until its keeper restores them, which it does within a renewal
+interval. Until then an empty Redis alone would admit the whole limit again.
+
 ``heard`` turns a freed channel (pub/sub) into ``on_freed(kind, name)``;
 ``None, None`` means anything may have freed (a resubscription, Redis back).
 """
@@ -53,6 +59,7 @@ class RedisPlaces:
         "_freed_prefix",
         "_keys",
         "_pending",
+        "_shared_from",
         "_wake",
         "counts",
         "keeper",
@@ -73,6 +80,9 @@ class RedisPlaces:
         self._pending: list[tuple[Lease, float]] = []
         self._wake = asyncio.Event()
         self._freed_prefix = keys.freed_channel("")
+        #: Until then (monotonic) the local share applies on top of Redis (``recovered``).
+        self._shared_from = 0.0
+        keeper.on_restored = self.recovered
         #: Told when a place may have freed (the dispatcher's ``freed``).
         self.on_freed: FreedCallback | None = None
 
@@ -109,6 +119,11 @@ class RedisPlaces:
         if cap is not None:
             place = Want(self._keys.tenant_places(tenant), cap, self.tenant_channel(tenant))
         await self._flush()
+        if not self._client.up or time.monotonic() < self._shared_from:
+            # Down, or just back: the call below may be the one that finds Redis back.
+            over = self._over_local_share(self._client.instances, tenant, place, replica, seat)
+            if over is not None:
+                return over
         try:
             if place is None:
                 got = await self.store.acquire(seat.key, seat.limit, seat.channel)
@@ -134,12 +149,27 @@ class RedisPlaces:
                 "the shared admission state is unavailable",
                 retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
             ) from down
-        if place is not None and self.counts.get(place.key, 0) >= down.local_seats(place.limit):
-            return Blocked("tenant", tenant, DEGRADED_RETRY_S)
-        if self.counts.get(seat.key, 0) >= down.local_seats(seat.limit):
-            return Blocked("replica", replica, DEGRADED_RETRY_S)
+        over = self._over_local_share(down.instances, tenant, place, replica, seat)
+        if over is not None:
+            return over
         tenant_lease = None if place is None else self.store.local(place.key, place.channel)
         return self._held(tenant_lease, self.store.local(seat.key, seat.channel))
+
+    def _over_local_share(
+        self, instances: int, tenant: str, place: Want | None, replica: str, seat: Want
+    ) -> Blocked | None:
+        """This process's part of each limit (divided by the live instances, at least 1)."""
+        instances = max(1, instances)
+        if place is not None and self.counts.get(place.key, 0) >= max(1, place.limit // instances):
+            return Blocked("tenant", tenant, DEGRADED_RETRY_S)
+        if self.counts.get(seat.key, 0) >= max(1, seat.limit // instances):
+            return Blocked("replica", replica, DEGRADED_RETRY_S)
+        return None
+
+    def recovered(self) -> None:
+        """Redis answers again (or had lost leases): local share on top of it for a lease."""
+        self._shared_from = time.monotonic() + self.store.lease_ms / 1000
+        self.keeper.renew_soon()
 
     def _held(self, place: Lease | None, seat: Lease) -> Held:
         for lease in (place, seat):

@@ -114,7 +114,7 @@ class SharedState:
         self.switches += 1
         if up:
             log.info("shared state up", instances=self.client.instances)
-            self.places.keeper.renew_soon()
+            self.places.recovered()
             self.places.heard("")
         else:
             log.warning(
