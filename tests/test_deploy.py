@@ -65,6 +65,9 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "admission_config_reloads_total": ("counter", frozenset({"result"})),
     "admission_model_requests_total": ("counter", frozenset({"model", "outcome"})),
     "admission_model_queue_depth": ("gauge", frozenset({"model"})),
+    "admission_state_up": ("gauge", frozenset()),
+    "admission_state_errors_total": ("counter", frozenset()),
+    "admission_instances": ("gauge", frozenset()),
 }
 #: Labels Prometheus adds to every scraped series, and the histogram bucket label.
 TARGET_LABELS = frozenset({"instance", "job"})
