@@ -129,7 +129,7 @@ async def test_tenant_cap_and_replica_seats_hold_across_three_processes(
             a_and_b = await asyncio.gather(
                 _burst(session, urls, "a", 12), _burst(session, urls, "b", 18)
             )
-            assert a_and_b == [[200] * 12, [200] * 18]
+            assert list(a_and_b) == [[200] * 12, [200] * 18]
             stats = await _stats(session, sim)
             assert stats["peak_running"] == SEATS
             assert stats["requests_total"] - base == 18 + 12 + 18
