@@ -227,9 +227,13 @@ async def test_redis_restarted_mid_run(
     tmp_path: Path, sim: SimServer, redis_server: RedisServer
 ) -> None:
     """Redis killed and restarted during a steady load through 3 processes (local_share):
-    every request is answered and reaches the replica once, 4 seats are never exceeded
-    (1 per process while down), and once Redis is back the processes share 4 seats again."""
-    config = _config(sim, redis_server, lease_ms=3000, timeout_ms=200)
+    every request is answered and reaches the replica once; while the switch drains, the
+    seats stay within the documented bound (4, plus one local share for each other process:
+    places taken before the switch still run); once Redis is back the processes share
+    exactly 4 seats again (sampled: never above 4, and 4 reached through two processes,
+    which have one seat each while down)."""
+    # timeout_ms well above a loaded machine's stalls: only the restart may switch modes.
+    config = _config(sim, redis_server, lease_ms=3000, timeout_ms=1000)
     proxies = await _start(tmp_path, config, 3)
     try:
         async with aiohttp.ClientSession() as session:
@@ -253,18 +257,19 @@ async def test_redis_restarted_mid_run(
             assert statuses == [200] * 36
             stats = await _stats(session, sim)
             assert stats["requests_total"] - base == 36
-            assert stats["peak_running"] <= SEATS
+            assert stats["peak_running"] <= SEATS + 2 * 1
             async with asyncio.timeout(WAIT_S):
                 for proxy in proxies:
                     while await _metric(session, proxy, "admission_state_up") != 1:
                         await asyncio.sleep(0.05)
-            # Back to shared: two processes alone reach all 4 seats (1 each while down).
-            again = asyncio.create_task(_burst(session, urls[:2], "b", 16, tokens=12))
+            again = asyncio.create_task(_burst(session, urls[:2], "b", 24, tokens=12))
+            seen: list[int] = []
             async with asyncio.timeout(WAIT_S):
-                while (await _stats(session, sim))["running"] < SEATS:
-                    await asyncio.sleep(0.01)
-            assert await again == [200] * 16
-            assert (await _stats(session, sim))["peak_running"] <= SEATS
+                while not again.done():
+                    seen.append((await _stats(session, sim))["running"])
+                    await asyncio.sleep(0.005)
+            assert await again == [200] * 24
+            assert max(seen) == SEATS
     finally:
         await _stop(proxies)
 

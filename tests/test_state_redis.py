@@ -178,3 +178,19 @@ async def test_day_counter_expires_an_hour_after_its_day(
     expected_ms = ((now // 86_400 + 1) * 86_400 - now + 3_600) * 1000
     ttl_ms = await timed.redis.pttl(KEYS.quota_day("acme"))
     assert expected_ms - 10_000 < ttl_ms <= expected_ms
+
+
+async def test_a_restart_is_noticed_and_the_divisor_does_not_collapse(
+    timed: StateClient,
+) -> None:
+    """Redis loses its state (FLUSHALL, as a restart without persistence): the next heartbeat
+    reports it, and the live count stays 2 while the registry refills, not 1."""
+    lost: list[bool] = []
+    a = InstanceRegistry(timed, KEYS, "pod-a", 3000)
+    a.on_lost = lambda: lost.append(True)
+    b = InstanceRegistry(timed, KEYS, "pod-b", 3000)
+    await a.heartbeat()
+    assert await b.heartbeat() == 2 and timed.instances == 2
+    await timed.redis.flushall()
+    assert await a.heartbeat() == 1
+    assert lost == [True] and timed.instances == 2

@@ -95,3 +95,24 @@ async def test_a_worker_that_dies_is_started_again(
         assert proxy.named("worker exited")[0]["pid"] == victim
     finally:
         assert await proxy.stop() == 0
+
+
+async def test_a_reload_leaves_the_state_section_for_a_restart(
+    start_proxy: Any, upstream_url: str, tmp_path: Path
+) -> None:
+    """The shared state is built once: a reload changing state.* logs it as needing a
+    restart and keeps the running value."""
+    from structlog.testing import capture_logs
+
+    from proxy.settings import load_config
+    from tests.test_control import _document, _reload, _write
+
+    path = tmp_path / "proxy.yaml"
+    document = _document(upstream_url, weight=1)
+    _write(path, document)
+    proxy = await start_proxy(load_config(path), config_path=str(path))
+    with capture_logs() as logs:
+        await _reload(proxy, path, {**document, "state": {"lease_ms": 3000}})
+    restart = {e["key"]: (e["running"], e["configured"]) for e in logs if "key" in e}
+    assert restart == {"state.lease_ms": (10_000, 3000)}
+    assert proxy.runtime.rules.config.state.lease_ms == 10_000

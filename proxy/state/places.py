@@ -119,11 +119,15 @@ class RedisPlaces:
         if cap is not None:
             place = Want(self._keys.tenant_places(tenant), cap, self.tenant_channel(tenant))
         await self._flush()
+        reserved: list[str] = []
         if not self._client.up or time.monotonic() < self._shared_from:
             # Down, or just back: the call below may be the one that finds Redis back.
             over = self._over_local_share(self._client.instances, tenant, place, replica, seat)
             if over is not None:
                 return over
+            # Counted before the call: takes running at once must not all pass the check.
+            reserved = [w.key for w in (place, seat) if w is not None]
+            self._count(reserved, 1)
         try:
             if place is None:
                 got = await self.store.acquire(seat.key, seat.limit, seat.channel)
@@ -132,11 +136,23 @@ class RedisPlaces:
                 return self._held(None, got)
             pair = await acquire_pair(self.store, place, seat)
         except StateDown as down:
+            self._count(reserved, -1)
+            reserved = []
             return self._take_locally(down, tenant, place, replica, seat)
+        finally:
+            self._count(reserved, -1)
         if isinstance(pair, Refused):
             kind: PlaceKind = "tenant" if pair.which == 0 else "replica"
             return Blocked(kind, tenant if pair.which == 0 else replica, pair.full.retry_in_s)
         return self._held(*pair)
+
+    def _count(self, keys: list[str], step: int) -> None:
+        for key in keys:
+            left = self.counts.get(key, 0) + step
+            if left > 0:
+                self.counts[key] = left
+            else:
+                self.counts.pop(key, None)
 
     async def take_seat(self, replica: str, seats: int) -> Held | Blocked:
         return await self.take("", None, replica, seats)
@@ -183,11 +199,7 @@ class RedisPlaces:
     def give_back(self, handle: object) -> None:
         if not isinstance(handle, Lease):
             return
-        left = self.counts.get(handle.key, 0) - 1
-        if left > 0:
-            self.counts[handle.key] = left
-        else:
-            self.counts.pop(handle.key, None)
+        self._count([handle.key], -1)
         self.keeper.discard(handle)
         self._pending.append((handle, time.monotonic()))
         self._wake.set()

@@ -94,6 +94,7 @@ class SharedState:
         store = LeaseStore(self.client, self.instance_id, config.lease_ms)
         self.places = RedisPlaces(self.client, keys, store, LeaseKeeper(store, restore=True))
         self.registry = InstanceRegistry(self.client, keys, self.instance_id, config.lease_ms)
+        self.registry.on_lost = self.places.recovered
         self.buckets = SharedBuckets(self.client, keys)
         self.retry_budget = SharedRetryBudget(self.client, keys)
         self.quotas = SharedTokenQuotas(self.client, RedisTokenQuotas(self.client, keys))
