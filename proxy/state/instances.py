@@ -64,9 +64,9 @@ class InstanceRegistry:
         count = int(count)
         now = time.monotonic()
         ttl_s = self.ttl_ms / 1000
-        if alive and not int(known) and self._beat_at is not None:
-            if now - self._beat_at < ttl_s and self.on_lost is not None:
-                self.on_lost()
+        forgotten = alive and not int(known) and self._beat_at is not None
+        if forgotten and now - (self._beat_at or 0.0) < ttl_s and self.on_lost is not None:
+            self.on_lost()
         self._beat_at = now if alive else None
         if count >= self._client.instances or now - self._high_at > ttl_s or not alive:
             self._client.instances = max(1, count)
