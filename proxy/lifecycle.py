@@ -86,13 +86,6 @@ async def serve(
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
     tune_gc()
-    log.info(
-        "listening",
-        host=host,
-        port=bound_port(site) or port,
-        pid=os.getpid(),
-        replicas=[r.name for r in config.replicas],
-    )
 
     stop = asyncio.Event()
     signals = 0
@@ -121,6 +114,14 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    # Logged once the signals are handled: whoever waits for this line may signal at once.
+    log.info(
+        "listening",
+        host=host,
+        port=bound_port(site) or port,
+        pid=os.getpid(),
+        replicas=[r.name for r in config.replicas],
+    )
     try:
         await stop.wait()
         grace_s = runtime.rules.config.server.shutdown_grace_ms / 1000.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -69,8 +70,13 @@ class ProxyProcess:
                 async with asyncio.timeout(START_TIMEOUT_S):
                     await self.proc.wait()
             except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+                # Its workers too: they hold the stdout pipe, and asyncio's wait() waits for
+                # every holder to close it.
+                for pid in {self.proc.pid, *(int(e["pid"]) for e in self.listening())}:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                async with asyncio.timeout(START_TIMEOUT_S):
+                    await self.proc.wait()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self._reader

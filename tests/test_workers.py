@@ -24,6 +24,7 @@ def _config(upstream_url: str, **sections: Any) -> dict[str, Any]:
     return {
         "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 4}],
         "tenants": {"a": {"api_keys": [KEY_A]}},
+        "server": {"shutdown_grace_ms": 2000},
         **sections,
     }
 
