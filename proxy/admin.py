@@ -40,6 +40,7 @@ from proxy.settings import ConfigError, dump_effective_config
 from proxy.state.quota import QuotaLimits
 from proxy.telemetry.history import HISTORY
 from proxy.telemetry.metrics import PressureCollector, StateCollector, StateSnapshot
+from proxy.telemetry.state_metrics import SharedStateCollector
 from proxy.token_quota import limits_of
 from proxy.ui import add_ui_routes
 
@@ -339,6 +340,7 @@ def add_admin_routes(app: web.Application) -> None:
             lambda: runtime.dispatcher.pressure.by_class(runtime.rules.config.priorities)
         )
     )
+    runtime.telemetry.metrics.registry.register(SharedStateCollector(lambda: runtime.state))
     get = ("GET", "HEAD")
     app.router.add_route("*", "/healthz", reserved_path(healthz, get))
     app.router.add_route("*", "/readyz", reserved_path(readyz, get))

@@ -33,7 +33,8 @@ from proxy.retries import RetryBudget, RetryPolicy
 from proxy.runtime import RUNTIME, Rules, Runtime, configure_models
 from proxy.scheduler import FairScheduler
 from proxy.settings import Config
-from proxy.state.quota import LocalTokenQuotas, TokenQuotaStore, WallClock
+from proxy.state.quota import TokenQuotaStore, WallClock
+from proxy.state.shared import token_quota_store
 from proxy.tasks import stop
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import FakeGpuProbe, GpuProbe, GpuSampler, NvmlProbe
@@ -133,12 +134,20 @@ def build_runtime(
 
     probe = gpu if gpu is not None else FakeGpuProbe()
     sampler = GpuSampler(probe, gpu_guard, config.gpu.sample_ms / 1000.0)
-    # The token quotas' store: in memory for one process (state.backend local).
+    state = None
+    if config.state.backend == "redis":
+        from proxy.state.shared import SharedState
+
+        state = SharedState(config.state, clock)
+        dispatcher.shared = state.places
+        state.places.on_freed = dispatcher.freed
+    # The token quotas' store: in memory for one process, shared with
+    # state.backend redis (its failure rule included); a test may pass its own.
     wall = quota_clock or WallClock()
-    token_quotas = TokenQuotas(quota_store or LocalTokenQuotas(wall), wall)
+    token_quotas = TokenQuotas(quota_store or token_quota_store(state, wall), wall)
     return Runtime(
         rules, clock, pool, dispatcher, quotas, telemetry, health, retry_policy, retry_budget,
-        sampler, models=models, token_quotas=token_quotas,
+        sampler, models=models, token_quotas=token_quotas, state=state,
     )  # fmt: skip
 
 
@@ -225,6 +234,19 @@ def build_app(
         yield
         await stop(task)
 
+    async def shared_state(app: web.Application) -> AsyncIterator[None]:
+        """``state.backend: redis``: renewals, heartbeat, releases, notifications."""
+        state = runtime.state
+        if state is None:
+            yield
+            return
+        tasks = [asyncio.create_task(loop()) for loop in state.background()]
+        yield
+        for task in reversed(tasks):
+            await stop(task)
+        await state.close()
+
+    app.cleanup_ctx.append(shared_state)
     app.cleanup_ctx.append(upstream_session)
     app.cleanup_ctx.append(health_loop)
     app.cleanup_ctx.append(config_watcher)

@@ -1,9 +1,9 @@
 """The ``admission-proxy`` command line (docs/REFERENCE.md).
 
-admission-proxy serve --config PATH [--host H] [--port P]
+admission-proxy serve --config PATH [--host H] [--port P] [--workers N]
 admission-proxy sim --port P [--slots N] [--seed S] [...]
 admission-proxy demo [--duration S] [--config PATH] [--mode enforce|observe]
-admission-proxy check-config PATH
+admission-proxy check-config PATH [--workers N]
 """
 
 from __future__ import annotations
@@ -17,14 +17,19 @@ from proxy.loadtest.cli import add_loadtest_arguments, run_loadtest
 from proxy.settings import ConfigError, dump_effective_config, load_config
 from proxy.tasks import run_async
 from proxy.telemetry.logs import configure_logging
+from proxy.workers import supervise, workers_refusal
 
 EXIT_OK = 0
 #: Same code as a usage error: the input, not the program, is at fault.
 EXIT_INVALID = 2
 
 
-def check_config(path: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def check_config(
+    path: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr, workers: int = 1
+) -> int:
     """Validate ``path``; print the effective config to ``out`` or the problems to ``err``.
+
+    ``workers``: the ``serve --workers`` it is meant for (N > 1 needs Redis).
 
     Keys are masked in the output: it is meant to be pasted into tickets and
     CI logs, where a live key must never appear.
@@ -36,6 +41,10 @@ def check_config(path: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr) 
         err.write(f"invalid config {path}: {count} problem{'s' if count != 1 else ''}\n")
         for issue in exc.issues:
             err.write(f"{issue}\n")
+        return EXIT_INVALID
+    refusal = workers_refusal(config, workers)
+    if refusal is not None:
+        err.write(f"invalid config {path}: {refusal}\n")
         return EXIT_INVALID
     out.write(dump_effective_config(config, mask_secrets=True))
     return EXIT_OK
@@ -54,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="path to the YAML config")
     serve.add_argument("--host", help="listen address (default: server.host)")
     serve.add_argument("--port", type=int, help="listen port (default: server.port)")
+    serve.add_argument(
+        "--workers", type=int, default=1,
+        help="processes sharing the port (N > 1 needs state.backend: redis)",
+    )  # fmt: skip
+    # Set by the parent of ``--workers N`` on each worker: bind with SO_REUSEPORT.
+    serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
 
     sim = sub.add_parser("sim", help="run one simulated GPU replica")
     add_sim_arguments(sim)
@@ -65,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a config and print it in full")
     check.add_argument("path")
+    check.add_argument("--workers", type=int, default=1, help="check for serve --workers N")
 
     add_loadtest_arguments(sub)
     return parser
@@ -73,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
-        return check_config(args.path)
+        return check_config(args.path, workers=args.workers)
     if args.command == "loadtest":
         return run_loadtest(args)
     configure_logging()
@@ -82,12 +98,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = load_config(args.config)
         except ConfigError as exc:
             print(f"invalid config {args.config}:\n{exc}", file=sys.stderr)
-            return 2
-        from proxy.lifecycle import serve
-
+            return EXIT_INVALID
+        refusal = workers_refusal(config, args.workers)
+        if refusal is not None:
+            print(f"invalid config {args.config}: {refusal}", file=sys.stderr)
+            return EXIT_INVALID
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
-        return run_async(serve(config, host, port, config_path=args.config))
+        if args.workers > 1:
+            return supervise(args.config, host, port, args.workers)
+        from proxy.lifecycle import serve
+
+        return run_async(
+            serve(config, host, port, config_path=args.config, reuse_port=args.reuse_port)
+        )
     if args.command == "sim":
         from proxy.sim.cli import run_sim
 

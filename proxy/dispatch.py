@@ -18,6 +18,13 @@ Invariants:
   a timer fires late);
 - a client that leaves frees its queue place and tenant place at once
   (``wait`` removes it in its ``CancelledError`` path).
+
+With shared state (``shared``, ``proxy/places.py``) a local grant is not yet
+a seat: ``wait`` then takes the tenant place and the replica seat across
+instances, and a refusal undoes the local grant, holds the full place off
+locally (a replica's ``shared_full``, a tenant blocked in the scheduler)
+until ``freed`` says it may have freed, and puts the ticket back in its
+queue, its scheduling charge refunded.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from proxy.clock import Clock
 from proxy.errors import PredictedWaitExceedsBudget, ProxyError, QueueTimeout, ShuttingDown
 from proxy.estimators import RecentUsage
 from proxy.observe import Overflow, overflow_replica, would
+from proxy.places import Blocked, PlaceKind, SharedPlaces
 from proxy.pools import PoolQueues, PoolSeats
 from proxy.pressure import BudgetPressure
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
@@ -86,6 +94,11 @@ class Dispatcher:
         #: ``mode: observe`` (``observe.py``): refusals only named, nobody waits.
         self._observing = False
         self._overflow = Overflow()
+        #: Places shared with other instances (``state.backend: redis``); None: local only.
+        self.shared: SharedPlaces | None = None
+        #: Tenants whose shared places are all taken (held off until ``freed``).
+        self._shared_blocked: set[str] = set()
+        self._freed_timers: dict[tuple[PlaceKind, str], asyncio.TimerHandle] = {}
 
     # -- configuration -----------------------------------------------------------------
 
@@ -194,7 +207,9 @@ class Dispatcher:
             headroom = replica is not None
         if replica is not None:
             ticket = Ticket(tenant, priority, cost, now, expires_at, model=model, affinity=affinity)
-            self._grant(ticket, self.pool.lease(replica), now)
+            seat = self.pool.lease(replica)
+            seat.headroom = headroom
+            self._grant(ticket, seat, now)
             if headroom:
                 self._headroom_grants[tenant] = self._headroom_grants.get(tenant, 0) + 1
             return ticket
@@ -232,9 +247,15 @@ class Dispatcher:
         return ticket
 
     async def wait(self, ticket: Ticket) -> Seat:
-        """Suspend until ``ticket`` holds a seat; raises its rejection otherwise."""
-        if ticket.seat is not None:
-            return ticket.seat
+        """Suspend until ``ticket`` holds a seat (and its shared places); raises its
+        rejection otherwise. In observe mode the shared places are not taken: nothing
+        may wait or be refused there, and a full shared place would requeue it."""
+        while True:
+            seat = ticket.seat if ticket.seat is not None else await self._wait_local(ticket)
+            if self.shared is None or self._observing or await self._take_shared(ticket, seat):
+                return seat
+
+    async def _wait_local(self, ticket: Ticket) -> Seat:
         assert ticket.future is not None
         try:
             return await ticket.future
@@ -258,9 +279,116 @@ class Dispatcher:
             replica = overflow_replica(self.seats, model, exclude)
             if replica is not None:
                 return self.pool.lease(replica)
-        return await self._reseating.wait(
-            exclude, timeout_s, model, pump=self.pump, release=self.release
-        )
+        deadline = self._clock.now() + timeout_s
+        while True:
+            seat = await self._reseating.wait(
+                exclude, max(0.0, deadline - self._clock.now()), model, pump=self.pump,
+                release=self.release,
+            )  # fmt: skip
+            if self.shared is None or self._observing:
+                return seat
+            replica = seat.replica
+            try:
+                answer = await self.shared.take_seat(replica.name, replica.limit)
+            except BaseException:
+                self.release(seat)
+                raise
+            if not isinstance(answer, Blocked):
+                seat.lease = answer.seat
+                return seat
+            seat.released = True
+            self._hold_off(answer)
+            self._free(replica)
+
+    # -- shared places (``proxy/places.py``) -------------------------------------------
+
+    async def _take_shared(self, ticket: Ticket, seat: Seat) -> bool:
+        """The grant's places across instances: True when held; False: back in the queue."""
+        assert self.shared is not None
+        limits = self._limits.get(ticket.tenant)
+        cap = limits.max_concurrency if limits is not None else None
+        replica = seat.replica
+        seats = replica.limit + (replica.headroom if seat.headroom else 0)
+        try:
+            answer = await self.shared.take(ticket.tenant, cap, replica.name, seats)
+        except BaseException:
+            self._ungrant(ticket, seat)
+            self.pump()
+            raise
+        if not isinstance(answer, Blocked):
+            ticket.place, seat.lease = answer.place, answer.seat
+            return True
+        self._ungrant(ticket, seat)
+        self._hold_off(answer)
+        self._requeue(ticket)
+        return False
+
+    def _ungrant(self, ticket: Ticket, seat: Seat) -> None:
+        """Undo a local grant whose shared places were not taken (no pump: the caller's)."""
+        self.waits.ended(ticket.id, None)
+        self._inflight[ticket.tenant] -= 1
+        if not self._inflight[ticket.tenant]:
+            del self._inflight[ticket.tenant]
+        if not self._at_cap(ticket.tenant):
+            self.scheduler.set_blocked(ticket.tenant, False)
+        ticket.seat, ticket.granted_at = None, None
+        seat.released = True
+        self.pool.free(seat.replica)
+
+    def _requeue(self, ticket: Ticket) -> None:
+        """Back in its queue (or its refusal raised): its pop's charge refunded."""
+        if ticket.future is not None:
+            self.scheduler.finished(ticket, 0.0)  # popped: undo the charge of that dispatch
+        if self._closed is not None:
+            raise self._closed
+        now = self._clock.now()
+        if ticket.expires_at <= now:
+            raise self._expiry(ticket, now)
+        loop = asyncio.get_running_loop()
+        ticket.future = loop.create_future()
+        self.scheduler.push(ticket)
+        self.pump()
+        if ticket.seat is None:
+            ticket.timer = loop.call_later(ticket.expires_at - now, self._expire, ticket)
+
+    def _hold_off(self, blocked: Blocked) -> None:
+        """Pass over a full shared place until it may have freed (``freed``), or until the
+        earliest lease there would expire unrenewed (a process that died publishes nothing)."""
+        if blocked.kind == "tenant":
+            self._shared_blocked.add(blocked.name)
+            self.scheduler.set_blocked(blocked.name, True)
+        else:
+            replica = self.pool.get(blocked.name)
+            if replica is None:
+                return
+            replica.shared_full = True
+        key = (blocked.kind, blocked.name)
+        timer = self._freed_timers.get(key)
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.001, blocked.retry_in_s)
+        if timer is None or timer.when() > when:
+            if timer is not None:
+                timer.cancel()
+            self._freed_timers[key] = loop.call_at(when, self.freed, blocked.kind, blocked.name)
+
+    def freed(self, kind: PlaceKind | None, name: str | None) -> None:
+        """A shared place may have freed (``kind`` ``name``; None: any): try again now."""
+        changed = False
+        if kind is None or kind == "tenant":
+            tenants = set(self._shared_blocked) if name is None else {name}
+            for tenant in tenants & self._shared_blocked:
+                self._shared_blocked.discard(tenant)
+                self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+                changed = True
+        if kind is None or kind == "replica":
+            for replica in self.pool.replicas:
+                if replica.shared_full and (name is None or replica.name == name):
+                    replica.shared_full = False
+                    changed = True
+        for key in [k for k in self._freed_timers if kind is None or k == (kind, name)]:
+            self._freed_timers.pop(key).cancel()
+        if changed:
+            self.pump()
 
     # -- seats and places back ---------------------------------------------------------
 
@@ -274,12 +402,16 @@ class Dispatcher:
         if seat.released:
             return
         seat.released = True
+        lease, seat.lease = seat.lease, None
         if delay_s > 0:
-            asyncio.get_running_loop().call_later(delay_s, self._free, seat.replica)
+            asyncio.get_running_loop().call_later(delay_s, self._free, seat.replica, lease)
         else:
-            self._free(seat.replica)
+            self._free(seat.replica, lease)
 
-    def _free(self, replica: Replica) -> None:
+    def _free(self, replica: Replica, lease: object | None = None) -> None:
+        if lease is not None and self.shared is not None:
+            self.shared.give_back(lease)
+            replica.shared_full = False  # this process may reuse the seat it frees
         self.pool.free(replica)
         self.pump()
 
@@ -300,6 +432,10 @@ class Dispatcher:
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
+        if ticket.place is not None and self.shared is not None:
+            self.shared.give_back(ticket.place)
+            ticket.place = None
+            self._shared_blocked.discard(ticket.tenant)
         if not self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, False)
         self.scheduler.finished(ticket, ticket.cost if actual_cost is None else actual_cost)
@@ -392,7 +528,9 @@ class Dispatcher:
     def _at_cap(self, tenant: str) -> bool:
         limits = self._limits.get(tenant)  # an unknown tenant has no cap (``limits_for``)
         cap = limits.max_concurrency if limits is not None else None
-        return cap is not None and self._inflight.get(tenant, 0) >= cap
+        if cap is None:
+            return False
+        return self._inflight.get(tenant, 0) >= cap or tenant in self._shared_blocked
 
     def _replica_for_immediate_start(
         self, tenant: str, model: str | None, affinity: int | None

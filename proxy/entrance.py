@@ -251,7 +251,7 @@ async def _admit(
     content_length = request.content_length
     if content_length is not None and content_length > max_body:
         raise BodyTooLarge(f"body of {content_length} bytes exceeds {max_body}")
-    wait_s = runtime.quotas.try_take(tenant)
+    wait_s = await runtime.take_rate(tenant)
     if wait_s > 0:
         if config.mode == "observe":
             record.observed = would(RateLimited.reason)

@@ -114,12 +114,17 @@ class Exchange:
             self.record.dispatched_at = runtime.clock.now()
             return await self._relay(await self._send_single_attempt(replica))
         ticket = self._enqueue()
-        # Granted at once (the unloaded case): no wait to suspend in.
+        # Granted at once (the unloaded case, local state): no wait to suspend in.
+        dispatcher = runtime.dispatcher
         self.seat = (
-            ticket.seat if ticket.seat is not None else await runtime.dispatcher.wait(ticket)
+            ticket.seat
+            if ticket.seat is not None and dispatcher.shared is None
+            else await dispatcher.wait(ticket)
         )
         self.record.dispatched_at = runtime.clock.now()
         runtime.retry_budget.record_request()
+        if runtime.state is not None:
+            runtime.state.record_request()
         grace_s = 0.0
         try:
             response = await self._relay(await self._send_handling_retries())
@@ -238,11 +243,11 @@ class Exchange:
                 raise failure
             if isinstance(failure, Committed):
                 failure.close()
-            if not runtime.retry_budget.try_spend():
+            refill_s = await runtime.spend_retry()
+            if refill_s > 0:
                 runtime.telemetry.retry_budget_exhausted()
                 raise RetryBudgetExhausted(
-                    "retries are over the fleet's retry budget",
-                    retry_after_s=runtime.retry_budget.refill_in(),
+                    "retries are over the fleet's retry budget", retry_after_s=refill_s
                 )
             assert retry_class is not None
             record.retry_reasons.append(retry_class)

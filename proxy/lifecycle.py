@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
 
 import structlog
@@ -65,7 +66,15 @@ def tune_gc() -> None:
     gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
 
 
-async def serve(config: Config, host: str, port: int, config_path: str | None = None) -> int:
+async def serve(
+    config: Config,
+    host: str,
+    port: int,
+    config_path: str | None = None,
+    *,
+    reuse_port: bool = False,
+) -> int:
+    """Serve until SIGTERM; ``reuse_port``: one of ``serve --workers N`` (``workers.py``)."""
     app = build_app(config, config_path=config_path)
     runtime = app[RUNTIME]
     # The listener answers parser errors itself and bounds connections (listener.py).
@@ -74,15 +83,9 @@ async def serve(config: Config, host: str, port: int, config_path: str | None = 
         shutdown_timeout=CLOSE_TIMEOUT_S,
     )  # fmt: skip
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
     tune_gc()
-    log.info(
-        "listening",
-        host=host,
-        port=bound_port(site) or port,
-        replicas=[r.name for r in config.replicas],
-    )
 
     stop = asyncio.Event()
     signals = 0
@@ -111,6 +114,14 @@ async def serve(config: Config, host: str, port: int, config_path: str | None = 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    # Logged once the signals are handled: whoever waits for this line may signal at once.
+    log.info(
+        "listening",
+        host=host,
+        port=bound_port(site) or port,
+        pid=os.getpid(),
+        replicas=[r.name for r in config.replicas],
+    )
     try:
         await stop.wait()
         grace_s = runtime.rules.config.server.shutdown_grace_ms / 1000.0

@@ -63,6 +63,13 @@ RESTART_KEYS: tuple[tuple[str, str], ...] = (
     ("server", "header_ms"),
     ("server", "keepalive_ms"),
     ("server", "max_connections"),
+    # The shared state's client, leases and subscription are built once at start.
+    ("state", "backend"),
+    ("state", "redis_url"),
+    ("state", "key_prefix"),
+    ("state", "lease_ms"),
+    ("state", "timeout_ms"),
+    ("state", "on_failure"),
 )
 
 

@@ -100,6 +100,7 @@ class Replica:
         "probe_error",
         "retired",
         "saturated",
+        "shared_full",
         "ssl",
         "tls",
         "url",
@@ -128,6 +129,9 @@ class Replica:
         self.saturated = False
         #: Its GPU's memory is over the guard (sidecar mode).
         self.gpu_guarded = False
+        #: Shared state: its seats are all taken across the instances; held off here
+        #: until one frees (``Dispatcher.freed``).
+        self.shared_full = False
         #: Consecutive failures, and how many ejections in a row (health.py).
         self.failures = 0
         self.ejections = 0
@@ -191,12 +195,16 @@ class Replica:
 
     @property
     def has_free_seat(self) -> bool:
-        return self.dispatchable and self.inflight < self.limit
+        return self.dispatchable and self.inflight < self.limit and not self.shared_full
 
     @property
     def has_headroom_seat(self) -> bool:
         """A seat above the knee is free (for tenants below their fair share)."""
-        return self.dispatchable and self.inflight < self.limit + self.headroom
+        return (
+            self.dispatchable
+            and self.inflight < self.limit + self.headroom
+            and not self.shared_full
+        )
 
     @property
     def state(self) -> str:
@@ -228,12 +236,16 @@ class Replica:
 class Seat:
     """One leased place on a replica; given back through ``Dispatcher.release``."""
 
-    __slots__ = ("released", "replica")
+    __slots__ = ("headroom", "lease", "released", "replica")
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         #: Set by the dispatcher when the seat is given back (maybe freed after a grace).
         self.released = False
+        #: A seat above the knee (a tenant below its fair share).
+        self.headroom = False
+        #: Shared state: the seat's lease across instances (``proxy/places.py``).
+        self.lease: object | None = None
 
     def __repr__(self) -> str:
         return f"<Seat {self.replica.name} {'released' if self.released else 'held'}>"

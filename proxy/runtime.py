@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +31,9 @@ from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import GpuSampler
 from proxy.token_quota import TokenQuotas
 from proxy.upstream import upstream_timeout
+
+if TYPE_CHECKING:
+    from proxy.state.shared import SharedState
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,8 @@ class Runtime:
     token_quotas: TokenQuotas = field(
         default_factory=lambda: TokenQuotas(LocalTokenQuotas(), WallClock())
     )
+    #: ``state.backend: redis``: the limits shared with other instances; None: local.
+    state: SharedState | None = None
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
@@ -167,6 +173,26 @@ class Runtime:
             retry.budget_ratio,
             retry.min_retries_per_s,
         )
+
+    async def take_rate(self, tenant: str) -> float:
+        """The tenant's ``rate_per_s`` bucket (shared with other instances when the state
+        is): 0.0 when a request may pass, else the seconds until it may."""
+        if self.state is None:
+            return self.quotas.try_take(tenant)
+        config = self.rules.config.tenants.get(tenant)
+        if config is None or config.rate_per_s is None:
+            return 0.0
+        return await self.state.take_rate(tenant, config.rate_per_s, config.effective_burst or 1.0)
+
+    async def spend_retry(self) -> float:
+        """Take one retry from the budget (the fleet's, with shared state): 0.0 when
+        taken, else the seconds until the budget has one (``Retry-After``)."""
+        budget = self.retry_budget
+        if self.state is not None:
+            refill = await self.state.try_spend_retry(budget.ratio, budget.min_per_s)
+            if refill is not None:
+                return refill
+        return 0.0 if budget.try_spend() else budget.refill_in()
 
     def client_session(self) -> aiohttp.ClientSession:
         if self.session is None:

@@ -69,6 +69,8 @@ class Ticket:
     affinity: int | None = None
     #: ``mode: observe``: the refusal enforcing would have given it (``would_<reason>``).
     observed: str | None = None
+    #: Shared state: its tenant place across instances (``proxy/places.py``).
+    place: object | None = None
 
     def __repr__(self) -> str:
         return f"<Ticket #{self.id} {self.tenant}/{self.priority} cost={self.cost:.0f}>"

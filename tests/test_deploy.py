@@ -75,6 +75,9 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         frozenset({"tenant", "priority", "degradation"}),
     ),
     "admission_quota_remaining_tokens": ("gauge", frozenset({"tenant", "window"})),
+    "admission_state_up": ("gauge", frozenset()),
+    "admission_state_errors_total": ("counter", frozenset()),
+    "admission_instances": ("gauge", frozenset()),
 }
 #: Labels Prometheus adds to every scraped series, and the histogram bucket label.
 TARGET_LABELS = frozenset({"instance", "job"})
@@ -393,6 +396,58 @@ def _sim_ports(compose: dict[str, Any]) -> dict[str, int]:
     return ports
 
 
+def _proxy_services(compose: dict[str, Any]) -> list[str]:
+    """Services that run ``admission-proxy serve``."""
+    return [
+        name
+        for name, service in compose["services"].items()
+        if _service_image_is_ours(service)
+        and service.get("command")
+        and service["command"][0] == "serve"
+    ]
+
+
+def test_compose_runs_two_proxies_on_one_redis() -> None:
+    """Two proxy instances of the demo config, on two published ports, share the compose
+    Redis (state.backend redis, its URL the redis service) and wait for it to be healthy."""
+    compose = _compose()
+    names = _proxy_services(compose)
+    assert len(names) >= 2
+    published = set()
+    for name in names:
+        service = compose["services"][name]
+        env = {k: str(v) for k, v in service["environment"].items()}
+        config = _config_from(_host_path(service, _cli(service["command"]).config), env)
+        assert config.state.backend == "redis"
+        url = urlsplit(config.state.redis_url)
+        assert url.hostname == "redis" and url.port == 6379
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        published |= {p.split(":")[0] for p in service["ports"]}
+    assert len(published) == len(names)
+    redis = compose["services"]["redis"]
+    assert "redis-cli" in redis["healthcheck"]["test"]
+
+
+def test_kubernetes_gateway_shares_its_limits_in_redis() -> None:
+    """The gateway config uses the Redis of its own manifests (Service name and port), runs
+    2+ pods, passes ``check-config --workers`` of their count, and no longer tells operators
+    to divide limits by hand."""
+    objects, generated, _ = _kustomize("gateway")
+    config_file = generated["admission-proxy-config"]
+    config = _config_from(config_file)
+    assert config.state.backend == "redis"
+    url = urlsplit(config.state.redis_url)
+    service = _one(objects, "Service", "admission-redis")
+    assert url.hostname == service["metadata"]["name"]
+    assert url.port == service["spec"]["ports"][0]["port"]
+    redis = _one(objects, "StatefulSet", "admission-redis")
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert service["spec"]["ports"][0]["targetPort"] in {p["name"] for p in container["ports"]}
+    assert _one(objects, "Deployment")["spec"]["replicas"] >= 2
+    text = config_file.read_text(encoding="utf-8").lower()
+    assert "per proxy pod" not in text and "half" not in text and "divide" not in text
+
+
 def test_compose_has_the_whole_stack() -> None:
     """The proxy, two simulated replicas, the collector, Jaeger, Prometheus and Grafana."""
     services = set(_compose()["services"])
@@ -489,7 +544,8 @@ def test_compose_prometheus_scrapes_the_proxy_and_replicas() -> None:
     }
     proxy = compose["services"]["proxy"]
     port = _config_from(ROOT / "config" / "demo.yaml", dict(proxy["environment"])).server.port
-    expected = {f"proxy:{port}"} | {f"{name}:{p}" for name, p in _sim_ports(compose).items()}
+    proxies = {f"{name}:{port}" for name in _proxy_services(compose)}
+    expected = proxies | {f"{name}:{p}" for name, p in _sim_ports(compose).items()}
     assert targets == expected
 
 
@@ -800,9 +856,14 @@ def _kustomize(mode: str) -> tuple[list[dict[str, Any]], dict[str, Path], dict[s
     return objects, generated, kustomization
 
 
-def _one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = [o for o in objects if o["kind"] == kind]
-    return found
+def _one(objects: list[dict[str, Any]], kind: str, name: str = "admission-proxy") -> dict[str, Any]:
+    """The one object of ``kind``; where there are several (the gateway's Redis beside the
+    proxy), the one labelled ``app.kubernetes.io/name: name``."""
+    found = [o for o in objects if o["kind"] == kind]
+    if len(found) > 1 or name != "admission-proxy":
+        found = [o for o in found if o["metadata"]["labels"].get("app.kubernetes.io/name") == name]
+    (one,) = found
+    return one
 
 
 def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:

@@ -108,7 +108,9 @@ async def test_redis_down_fails_fast_then_comes_back(redis_server: RedisServer) 
     config = StateConfig(
         backend="redis", redis_url=redis_server.url, timeout_ms=200, on_failure="local_share"
     )
-    client = StateClient(config, on_change=lambda up, _exc: changes.append(up))
+    client = StateClient(
+        config, on_change=lambda up, _exc: changes.append(up), probe_interval_s=0.0
+    )
     client.instances = 3
     store = LeaseStore(client, "a", 10_000)
     seats = KEYS.seats("gpu-0")
@@ -176,3 +178,19 @@ async def test_day_counter_expires_an_hour_after_its_day(
     expected_ms = ((now // 86_400 + 1) * 86_400 - now + 3_600) * 1000
     ttl_ms = await timed.redis.pttl(KEYS.quota_day("acme"))
     assert expected_ms - 10_000 < ttl_ms <= expected_ms
+
+
+async def test_a_restart_is_noticed_and_the_divisor_does_not_collapse(
+    timed: StateClient,
+) -> None:
+    """Redis loses its state (FLUSHALL, as a restart without persistence): the next heartbeat
+    reports it, and the live count stays 2 while the registry refills, not 1."""
+    lost: list[bool] = []
+    a = InstanceRegistry(timed, KEYS, "pod-a", 3000)
+    a.on_lost = lambda: lost.append(True)
+    b = InstanceRegistry(timed, KEYS, "pod-b", 3000)
+    await a.heartbeat()
+    assert await b.heartbeat() == 2 and timed.instances == 2
+    await timed.redis.flushall()
+    assert await a.heartbeat() == 1
+    assert lost == [True] and timed.instances == 2

@@ -6,9 +6,10 @@ enforces in memory: tenants' ``rate_per_s`` buckets (buckets.py), tenant
 the fleet retry budget (retry_budget.py), token quotas with a local twin
 (quota.py, quota_redis.py), the live instance registry (instances.py) and
 seat-free notifications (notify.py), all through one client that bounds
-every call and reports up/down (client.py). Queues stay local to each
-process. Not wired into the request path yet (docs/ARCHITECTURE.md, "Shared
-state (in progress)").
+every call and reports up/down (client.py). ``places.py`` is the request
+path's ``SharedPlaces`` and ``shared.py`` assembles everything one process
+needs (docs/ARCHITECTURE.md, "Shared state"). Queues stay local to each
+process.
 
 Key layout (``state.key_prefix`` then one hash tag per entity, so each script
 touches one Redis Cluster slot; keys.py):
@@ -20,7 +21,8 @@ touches one Redis Cluster slot; keys.py):
     admission:{r:gpu-0}:seats          zset lease id -> expiry   max_concurrency + headroom
     admission:{fleet}:retry            hash q<s>, r<s> -> count  retry budget window
     admission:{fleet}:instances        zset instance -> expiry   live instances
-    admission:freed:<pool or tenant>   pub/sub channel           a lease was released
+    admission:freed:r:gpu-0            pub/sub channel           a seat was released
+    admission:freed:t:acme             pub/sub channel           a tenant place was released
 
 Every script reads the server's clock (``TIME``), never a process's, so
 instances with skewed clocks agree; scripts need Redis 5 or newer (or Valkey).

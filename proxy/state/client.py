@@ -8,6 +8,10 @@ transition, for ``admission_state_up``, ``admission_state_errors_total`` and a
 log line) and is raised as ``StateDown``, which carries what the caller needs
 to fall back: ``on_failure`` and the live instance count last seen. The first
 call that succeeds flips it back up: no restart, no reconnect loop here.
+While down, calls within ``PROBE_INTERVAL_S`` of the last failure fail at once
+without asking Redis (not counted as errors again): a request then costs no
+``timeout_ms`` at all, and one call per interval finds out whether Redis is
+back.
 
 Scripts are sent by EVALSHA and loaded again on NOSCRIPT (redis-py's
 ``register_script``), so a restarted Redis with an empty script cache costs
@@ -21,6 +25,7 @@ err on the side of admitting less, never more.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -34,6 +39,8 @@ from proxy.clock import Clock
 from proxy.settings import StateConfig
 
 OnFailure = Literal["local_share", "reject"]
+#: While down, how long calls fail without trying Redis after a failure.
+PROBE_INTERVAL_S = 0.2
 #: Lua prelude of every script: server time in ms, or the test clock's when ARGV[1] is set.
 NOW_MS = """
 local function now_ms()
@@ -77,6 +84,8 @@ class StateClient:
     __slots__ = (
         "_clock",
         "_on_change",
+        "_probe_at",
+        "_probe_interval_s",
         "_redis",
         "_scripts",
         "config",
@@ -91,8 +100,10 @@ class StateClient:
         *,
         clock: Clock | None = None,
         on_change: Callable[[bool, BaseException | None], None] | None = None,
+        probe_interval_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.config = config
+        self._probe_interval_s = probe_interval_s
         timeout = config.timeout_ms / 1000
         self._redis: Redis = Redis.from_url(
             config.redis_url,
@@ -108,6 +119,7 @@ class StateClient:
         self.up = True
         self.errors = 0
         self.instances = 1
+        self._probe_at = 0.0
 
     @property
     def redis(self) -> Redis:
@@ -126,6 +138,8 @@ class StateClient:
 
     async def run(self, source: str, keys: Sequence[str], args: Sequence[str | float]) -> Any:
         """Run one script within ``timeout_ms``; ``StateDown`` on any failure."""
+        if not self.up and time.monotonic() < self._probe_at:
+            raise self._down("shared state unavailable (waiting to probe again)")
         script = self.script(source)
         argv = [self.now_arg(), *(str(a) for a in args)]
         try:
@@ -138,14 +152,16 @@ class StateClient:
 
     def _failed(self, exc: BaseException) -> StateDown:
         self.errors += 1
+        self._probe_at = time.monotonic() + self._probe_interval_s
         if self.up:
             self.up = False
             if self._on_change is not None:
                 self._on_change(False, exc)
+        return self._down(f"shared state unavailable: {type(exc).__name__}: {exc}")
+
+    def _down(self, message: str) -> StateDown:
         return StateDown(
-            f"shared state unavailable: {type(exc).__name__}: {exc}",
-            on_failure=self.config.on_failure,
-            instances=max(1, self.instances),
+            message, on_failure=self.config.on_failure, instances=max(1, self.instances)
         )
 
     def _succeeded(self) -> None:

@@ -22,6 +22,7 @@ every lease the same way: renewals report them lost, releases answer False.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -65,6 +66,20 @@ for i = 3, #ARGV do
 end
 if redis.call('EXISTS', key) == 1 then redis.call('PEXPIRE', key, 2 * lease_ms) end
 return lost
+"""
+
+#: Renewal that puts back a lease Redis lost (a restart, an expiry while it was
+#: unreachable): the request behind it still runs, so the count must say so.
+_RESTORE = """
+local now = now_ms()
+local key, lease_ms = KEYS[1], tonumber(ARGV[2])
+local restored = {}
+for i = 3, #ARGV do
+  if not redis.call('ZSCORE', key, ARGV[i]) then restored[#restored + 1] = ARGV[i] end
+  redis.call('ZADD', key, now + lease_ms, ARGV[i])
+end
+redis.call('PEXPIRE', key, 2 * lease_ms)
+return restored
 """
 
 _HELD = """
@@ -119,6 +134,17 @@ class LeaseStore:
         lost = await self._client.run(_RENEW, [key], [self.lease_ms, *lease_ids])
         return set(lost)
 
+    def local(self, key: str, channel: str) -> Lease:
+        """A lease taken without Redis (``on_failure: local_share`` while it is down);
+        the keeper's first renewal once Redis answers puts it there (``restore``)."""
+        return Lease(key, f"{self._owner}:{next(self._ids)}", channel)
+
+    async def restore(self, key: str, lease_ids: Iterable[str]) -> set[str]:
+        """Renew every given lease at ``key``, adding back those Redis no longer has
+        (returned): the place is in use whatever Redis remembers."""
+        restored = await self._client.run(_RESTORE, [key], [self.lease_ms, *lease_ids])
+        return set(restored)
+
     async def held(self, key: str) -> int:
         """Leases not expired at ``key``: the ground truth the tests count."""
         return int(await self._client.run(_HELD, [key], []))
@@ -136,12 +162,24 @@ class LeaseKeeper:
     renewed, and the caller stops counting it.
     """
 
-    __slots__ = ("_by_key", "_on_lost", "_store")
+    __slots__ = ("_by_key", "_on_lost", "_restore", "_soon", "_store", "on_restored")
 
-    def __init__(self, store: LeaseStore, on_lost: Callable[[Lease], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: LeaseStore,
+        on_lost: Callable[[Lease], None] | None = None,
+        *,
+        restore: bool = False,
+    ) -> None:
+        """``restore``: a lease Redis lost is added back rather than reported lost (the
+        request path's keeper: what runs is what counts, even over the limit)."""
         self._store = store
         self._on_lost = on_lost
+        self._restore = restore
         self._by_key: dict[str, dict[str, Lease]] = {}
+        self._soon = asyncio.Event()
+        #: ``restore``: told when Redis had lost leases this process holds (a restart).
+        self.on_restored: Callable[[], None] | None = None
 
     def add(self, lease: Lease) -> None:
         self._by_key.setdefault(lease.key, {})[lease.id] = lease
@@ -158,6 +196,10 @@ class LeaseKeeper:
         lost: list[Lease] = []
         for key, held in list(self._by_key.items()):
             try:
+                if self._restore:
+                    if await self._store.restore(key, list(held)) and self.on_restored:
+                        self.on_restored()
+                    continue
                 ids = await self._store.renew(key, list(held))
             except StateDown:
                 continue
@@ -170,11 +212,18 @@ class LeaseKeeper:
                         self._on_lost(lease)
         return lost
 
+    def renew_soon(self) -> None:
+        """Renew now rather than at the next tick (Redis is back: restore at once)."""
+        self._soon.set()
+
     async def run(self) -> None:
         """Renew until cancelled."""
         interval = self._store.lease_ms / 3000
         while True:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._soon.wait()
+            self._soon.clear()
             await self.renew_once()
 
     def __len__(self) -> int:

@@ -33,6 +33,7 @@ class FreedListener:
         "_channels",
         "_connect_timeout_s",
         "_on_freed",
+        "_patterns",
         "_url",
         "subscribed",
         "subscriptions",
@@ -45,9 +46,13 @@ class FreedListener:
         on_freed: Callable[[str], None],
         *,
         connect_timeout_s: float,
+        patterns: Sequence[str] = (),
     ) -> None:
+        """``patterns``: glob subscriptions too (``admission:freed:*``); a message on one
+        reports its real channel, a resubscription reports the pattern itself."""
         self._url = url
         self._channels = list(channels)
+        self._patterns = list(patterns)
         self._on_freed = on_freed
         self._connect_timeout_s = connect_timeout_s
         #: Set while subscribed: a publish from now on is heard.
@@ -74,17 +79,20 @@ class FreedListener:
         )
         try:
             async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                await pubsub.subscribe(*self._channels)
+                if self._channels:
+                    await pubsub.subscribe(*self._channels)
+                if self._patterns:
+                    await pubsub.psubscribe(*self._patterns)
                 # The subscription is confirmed once its reply is read; until then a
                 # publish may be missed, so the channels are only reported open after it.
-                for _ in self._channels:
+                for _ in range(len(self._channels) + len(self._patterns)):
                     await pubsub.get_message(timeout=self._connect_timeout_s)
                 self.subscriptions += 1
                 self.subscribed.set()
-                for channel in self._channels:
+                for channel in (*self._channels, *self._patterns):
                     self._on_freed(channel)
                 async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                    if message.get("type") in ("message", "pmessage"):
                         self._on_freed(str(message["channel"]))
         finally:
             self.subscribed.clear()
@@ -92,4 +100,5 @@ class FreedListener:
 
     def __repr__(self) -> str:
         state = "subscribed" if self.subscribed.is_set() else "connecting"
-        return f"<FreedListener {len(self._channels)} channels, {state}>"
+        count = len(self._channels) + len(self._patterns)
+        return f"<FreedListener {count} channels, {state}>"

@@ -35,7 +35,7 @@ redis.call('PEXPIRE', KEYS[1], (window + 2) * 1000)
 _RECORD = (
     _PRELUDE
     + """
-redis.call('HINCRBY', KEYS[1], 'q' .. second, 1)
+redis.call('HINCRBY', KEYS[1], 'q' .. second, tonumber(ARGV[3]))
 return 1
 """
 )
@@ -64,9 +64,9 @@ class SharedRetryBudget:
         self._key = keys.retry_budget()
         self.window_s = window_s
 
-    async def record_request(self) -> None:
-        """A request was dispatched (its first attempt)."""
-        await self._client.run(_RECORD, [self._key], [self.window_s])
+    async def record_request(self, count: int = 1) -> None:
+        """``count`` requests were dispatched (their first attempts)."""
+        await self._client.run(_RECORD, [self._key], [self.window_s, count])
 
     async def try_spend(self, ratio: float, min_per_s: float) -> float:
         """Take one retry: 0.0; else the seconds until the oldest counted retry leaves."""

@@ -1,0 +1,54 @@
+"""The seam between the local dispatcher and places shared with other processes.
+
+With ``state.backend: local`` the dispatcher's own counts are the whole truth
+and it holds no ``SharedPlaces`` (``Dispatcher.shared is None``: not one await
+more per request). With ``redis`` (``proxy/state/places.py``) a ticket the
+local pump granted must also take its tenant place and its replica seat in
+the shared state before it goes upstream; a refusal sends it back to its
+queue, and the place that was full is held off locally until it frees
+(``Dispatcher.freed``). The dispatcher's pass stays synchronous; only the
+granted ticket's waiter does I/O. No I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+#: What kind of shared place was full: a tenant's ``max_concurrency`` or a replica's seats.
+PlaceKind = Literal["tenant", "replica"]
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The shared places one grant holds (opaque handles, given back one by one)."""
+
+    place: object | None
+    seat: object
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """No shared place: ``kind`` ``name`` is full, try again in ``retry_in_s`` at the latest."""
+
+    kind: PlaceKind
+    name: str
+    retry_in_s: float
+
+
+class SharedPlaces(Protocol):
+    async def take(self, tenant: str, cap: int | None, replica: str, seats: int) -> Held | Blocked:
+        """The tenant's place (when ``cap``) and one of ``seats`` seats of ``replica``.
+
+        Both or neither; raises ``StateUnavailable`` when the state is down and
+        ``on_failure`` is ``reject``.
+        """
+        ...
+
+    async def take_seat(self, replica: str, seats: int) -> Held | Blocked:
+        """A replica seat alone (a retry keeps its tenant place)."""
+        ...
+
+    def give_back(self, handle: object) -> None:
+        """A place or seat back; never blocks (released in the background)."""
+        ...

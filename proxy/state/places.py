@@ -1,0 +1,238 @@
+"""``SharedPlaces`` on Redis: tenant places and replica seats as leases, with a local fallback.
+
+``take`` acquires the tenant's place (when it has ``max_concurrency``) and
+then the replica's seat (``pair.py``: both or neither); ``give_back`` never
+blocks the request path: the lease leaves this process's counts and its
+keeper at once and is released in Redis by ``run`` (or by the next ``take``,
+which first sends the releases still pending, so this process can reuse a
+seat it just freed without waiting for its own notification). A release that
+fails is tried again until the lease would have expired anyway.
+
+Redis down (``StateDown``): ``reject`` raises ``StateUnavailable``;
+``local_share`` grants against this process's own counts, each limit divided
+by the live instances last seen (``StateDown.local_seats``), with a lease id
+that the keeper adds to Redis at its first renewal once Redis answers again
+(``LeaseKeeper(restore=True)``). The counts are the same in both modes (every
+place this process holds, whichever way it was taken), so a switch either
+way neither loses nor counts twice a request in flight.
+
+Back from down (or Redis found to have lost leases: a restart), the local
+share keeps applying on top of Redis for one ``lease_ms`` (``recovered``):
+another process may not have noticed yet, and its requests in flight are not
+in Redis until its keeper restores them, which it does within a renewal
+interval. Until then an empty Redis alone would admit the whole limit again.
+
+``heard`` turns a freed channel (pub/sub) into ``on_freed(kind, name)``;
+``None, None`` means anything may have freed (a resubscription, Redis back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from proxy.errors import StateUnavailable
+from proxy.places import Blocked, Held, PlaceKind
+from proxy.state.client import StateClient, StateDown
+from proxy.state.keys import StateKeys
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore
+from proxy.state.pair import Refused, Want, acquire_pair
+
+#: While Redis is down, a place found full locally is looked at again after this long
+#: at the latest (a local give-back or Redis coming back wakes it sooner).
+DEGRADED_RETRY_S = 0.5
+#: Pending releases that failed are tried again after this long.
+RELEASE_RETRY_S = 0.2
+#: ``Retry-After`` of ``state_unavailable``.
+UNAVAILABLE_RETRY_AFTER_S = 1.0
+
+FreedCallback = Callable[[PlaceKind | None, str | None], None]
+
+
+class RedisPlaces:
+    """Tenant places and replica seats shared by every process on one Redis."""
+
+    __slots__ = (
+        "_client",
+        "_freed_prefix",
+        "_keys",
+        "_pending",
+        "_shared_from",
+        "_wake",
+        "counts",
+        "keeper",
+        "on_freed",
+        "store",
+    )
+
+    def __init__(
+        self, client: StateClient, keys: StateKeys, store: LeaseStore, keeper: LeaseKeeper
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self.store = store
+        self.keeper = keeper
+        #: Places this process holds now, per key (both modes): the local_share count.
+        self.counts: dict[str, int] = {}
+        #: Releases not yet done in Redis: (lease, when it was given back).
+        self._pending: list[tuple[Lease, float]] = []
+        self._wake = asyncio.Event()
+        self._freed_prefix = keys.freed_channel("")
+        #: Until then (monotonic) the local share applies on top of Redis (``recovered``).
+        self._shared_from = 0.0
+        keeper.on_restored = self.recovered
+        #: Told when a place may have freed (the dispatcher's ``freed``).
+        self.on_freed: FreedCallback | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<RedisPlaces {sum(self.counts.values())} held, {len(self._pending)} releases pending>"
+        )
+
+    # -- names -------------------------------------------------------------------------
+
+    def tenant_channel(self, tenant: str) -> str:
+        return self._keys.freed_channel(f"t:{tenant}")
+
+    def replica_channel(self, replica: str) -> str:
+        return self._keys.freed_channel(f"r:{replica}")
+
+    def heard(self, channel: str) -> None:
+        """A freed channel was published (or, a pattern: resubscribed, anything may be free)."""
+        if self.on_freed is None:
+            return
+        name = channel.removeprefix(self._freed_prefix)
+        if name.startswith("t:"):
+            self.on_freed("tenant", name[2:])
+        elif name.startswith("r:"):
+            self.on_freed("replica", name[2:])
+        else:
+            self.on_freed(None, None)
+
+    # -- taking ------------------------------------------------------------------------
+
+    async def take(self, tenant: str, cap: int | None, replica: str, seats: int) -> Held | Blocked:
+        seat = Want(self._keys.seats(replica), seats, self.replica_channel(replica))
+        place = None
+        if cap is not None:
+            place = Want(self._keys.tenant_places(tenant), cap, self.tenant_channel(tenant))
+        await self._flush()
+        reserved: list[str] = []
+        if not self._client.up or time.monotonic() < self._shared_from:
+            # Down, or just back: the call below may be the one that finds Redis back.
+            over = self._over_local_share(self._client.instances, tenant, place, replica, seat)
+            if over is not None:
+                return over
+            # Counted before the call: takes running at once must not all pass the check.
+            reserved = [w.key for w in (place, seat) if w is not None]
+            self._count(reserved, 1)
+        try:
+            if place is None:
+                got = await self.store.acquire(seat.key, seat.limit, seat.channel)
+                if isinstance(got, Full):
+                    return Blocked("replica", replica, got.retry_in_s)
+                return self._held(None, got)
+            pair = await acquire_pair(self.store, place, seat)
+        except StateDown as down:
+            self._count(reserved, -1)
+            reserved = []
+            return self._take_locally(down, tenant, place, replica, seat)
+        finally:
+            self._count(reserved, -1)
+        if isinstance(pair, Refused):
+            kind: PlaceKind = "tenant" if pair.which == 0 else "replica"
+            return Blocked(kind, tenant if pair.which == 0 else replica, pair.full.retry_in_s)
+        return self._held(*pair)
+
+    def _count(self, keys: list[str], step: int) -> None:
+        for key in keys:
+            left = self.counts.get(key, 0) + step
+            if left > 0:
+                self.counts[key] = left
+            else:
+                self.counts.pop(key, None)
+
+    async def take_seat(self, replica: str, seats: int) -> Held | Blocked:
+        return await self.take("", None, replica, seats)
+
+    def _take_locally(
+        self, down: StateDown, tenant: str, place: Want | None, replica: str, seat: Want
+    ) -> Held | Blocked:
+        if down.on_failure == "reject":
+            raise StateUnavailable(
+                "the shared admission state is unavailable",
+                retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
+            ) from down
+        over = self._over_local_share(down.instances, tenant, place, replica, seat)
+        if over is not None:
+            return over
+        tenant_lease = None if place is None else self.store.local(place.key, place.channel)
+        return self._held(tenant_lease, self.store.local(seat.key, seat.channel))
+
+    def _over_local_share(
+        self, instances: int, tenant: str, place: Want | None, replica: str, seat: Want
+    ) -> Blocked | None:
+        """This process's part of each limit (divided by the live instances, at least 1)."""
+        instances = max(1, instances)
+        if place is not None and self.counts.get(place.key, 0) >= max(1, place.limit // instances):
+            return Blocked("tenant", tenant, DEGRADED_RETRY_S)
+        if self.counts.get(seat.key, 0) >= max(1, seat.limit // instances):
+            return Blocked("replica", replica, DEGRADED_RETRY_S)
+        return None
+
+    def recovered(self) -> None:
+        """Redis answers again (or had lost leases): local share on top of it for a lease."""
+        self._shared_from = time.monotonic() + self.store.lease_ms / 1000
+        self.keeper.renew_soon()
+
+    def _held(self, place: Lease | None, seat: Lease) -> Held:
+        for lease in (place, seat):
+            if lease is not None:
+                self.counts[lease.key] = self.counts.get(lease.key, 0) + 1
+                self.keeper.add(lease)
+        return Held(place, seat)
+
+    # -- giving back -------------------------------------------------------------------
+
+    def give_back(self, handle: object) -> None:
+        if not isinstance(handle, Lease):
+            return
+        self._count([handle.key], -1)
+        self.keeper.discard(handle)
+        self._pending.append((handle, time.monotonic()))
+        self._wake.set()
+
+    async def _flush(self) -> None:
+        """Send the releases pending now; those that fail stay pending until they expire."""
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        lease_s = self.store.lease_ms / 1000
+        now = time.monotonic()
+        for index, (lease, at) in enumerate(batch):
+            if now - at > lease_s:
+                continue  # expired in Redis by now: nothing left to release
+            try:
+                await self.store.release(lease)
+            except StateDown:
+                self._pending.append((lease, at))
+            except BaseException:
+                self._pending.extend(batch[index:])
+                raise
+
+    async def run(self) -> None:
+        """Send releases as they come, until cancelled (owned by ``cleanup_ctx``)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._flush()
+            if self._pending:
+                await asyncio.sleep(RELEASE_RETRY_S)
+                self._wake.set()
+
+    async def close(self) -> None:
+        """Shutting down: one last try at the pending releases."""
+        with contextlib.suppress(StateDown):
+            await self._flush()

@@ -1,0 +1,157 @@
+"""The dispatcher with shared places (``Dispatcher.shared``), on a fake clock and a fake
+``SharedPlaces`` that stands for the other instances: no sockets, no Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.admitted import Deadline
+from proxy.clock import FakeClock
+from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.errors import StateUnavailable
+from proxy.places import Blocked, Held
+from proxy.replicas import Replica, ReplicaPool
+from proxy.scheduler import FairScheduler, Ticket
+from proxy.settings import BudgetsConfig, ReplicaConfig
+from tests.helpers import wait_for
+
+BUDGETS = BudgetsConfig(queue_ms=1000, first_byte_ms=1000, total_ms=5000)
+
+
+class OtherInstances:
+    """Places taken elsewhere (``held``), against the same limits; ours add to them."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+        self.given_back: list[object] = []
+        self.down = False
+        self.retry_in_s = 60.0
+
+    def _take(self, key: str, limit: int) -> bool:
+        if self.held.get(key, 0) >= limit:
+            return False
+        self.held[key] = self.held.get(key, 0) + 1
+        return True
+
+    async def take(self, tenant: str, cap: int | None, replica: str, seats: int) -> Held | Blocked:
+        if self.down:
+            raise StateUnavailable("down", retry_after_s=1.0)
+        place = None
+        if cap is not None:
+            if not self._take(f"t:{tenant}", cap):
+                return Blocked("tenant", tenant, self.retry_in_s)
+            place = f"t:{tenant}"
+        if not self._take(f"r:{replica}", seats):
+            if place is not None:
+                self.held[place] -= 1
+            return Blocked("replica", replica, self.retry_in_s)
+        return Held(place, f"r:{replica}")
+
+    async def take_seat(self, replica: str, seats: int) -> Held | Blocked:
+        return await self.take("", None, replica, seats)
+
+    def give_back(self, handle: object) -> None:
+        assert isinstance(handle, str)
+        self.held[handle] -= 1
+        self.given_back.append(handle)
+
+
+def make(seats: int = 2, cap: int | None = None) -> tuple[Dispatcher, OtherInstances, FakeClock]:
+    clock = FakeClock()
+    replica = Replica(ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=seats))
+    limits = {
+        "a": TenantLimits(max_concurrency=cap, queue_capacity=8),
+        "b": TenantLimits(max_concurrency=None, queue_capacity=8),
+    }
+    d = Dispatcher(ReplicaPool([replica]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    return d, others, clock
+
+
+def enqueue(d: Dispatcher, clock: FakeClock, tenant: str) -> Ticket:
+    return d.enqueue(tenant, "standard", 10.0, Deadline.start(clock.now(), BUDGETS))
+
+
+async def test_a_seat_held_elsewhere_sends_the_ticket_back_until_it_frees() -> None:
+    """Both seats of r0 are held by other instances: the locally granted ticket goes back to
+    its queue, nothing stays counted here, r0 is held off; a release heard: it gets the seat."""
+    d, others, clock = make(seats=2)
+    others.held["r:r0"] = 2
+    ticket = enqueue(d, clock, "b")
+    waiter = asyncio.create_task(d.wait(ticket))
+    await wait_for(lambda: d.pool.replicas[0].shared_full)
+    assert d.pool.total_inflight() == 0 and d.inflight("b") == 0 and len(d.scheduler) == 1
+    assert not waiter.done()
+    others.held["r:r0"] = 1  # another instance gave one back; Redis published it
+    d.freed("replica", "r0")
+    seat = await waiter
+    assert seat.lease == "r:r0" and others.held["r:r0"] == 2 and d.inflight("b") == 1
+    d.finish(ticket, seat)
+    assert others.given_back == ["r:r0"] and d.pool.total_inflight() == 0
+
+
+async def test_a_tenant_cap_reached_elsewhere_blocks_only_that_tenant() -> None:
+    """Tenant a (cap 1) holds its place on another instance: a waits, b takes the seat."""
+    d, others, clock = make(seats=2, cap=1)
+    others.held["t:a"] = 1
+    a = enqueue(d, clock, "a")
+    a_waiter = asyncio.create_task(d.wait(a))
+    await wait_for(lambda: len(d.scheduler) == 1)
+    b = enqueue(d, clock, "b")
+    b_seat = await d.wait(b)
+    assert b_seat.lease == "r:r0" and not a_waiter.done()
+    others.held["t:a"] = 0
+    d.freed("tenant", "a")
+    a_seat = await a_waiter
+    assert a.place == "t:a" and a_seat.lease == "r:r0" and others.held["r:r0"] == 2
+    d.finish(a, a_seat)
+    d.finish(b, b_seat)
+    assert sorted(map(str, others.given_back)) == ["r:r0", "r:r0", "t:a"]
+    assert others.held == {"t:a": 0, "r:r0": 0}
+
+
+async def test_the_hold_off_ends_at_the_refusals_retry_time() -> None:
+    """No release is ever published (the holder died): the hold ends at retry_in_s."""
+    d, others, clock = make(seats=1)
+    others.held["r:r0"] = 1
+    others.retry_in_s = 0.05
+    ticket = enqueue(d, clock, "b")
+    waiter = asyncio.create_task(d.wait(ticket))
+    await wait_for(lambda: d.pool.replicas[0].shared_full)
+    others.held["r:r0"] = 0  # its lease expired unrenewed
+    seat = await asyncio.wait_for(waiter, 5)
+    assert seat.lease == "r:r0"
+    d.finish(ticket, seat)
+
+
+async def test_a_requeued_ticket_is_refunded_its_scheduling_charge() -> None:
+    """A popped ticket sent back is not charged twice: b's tag moves by one cost, not two."""
+    d, others, clock = make(seats=1)
+    first = enqueue(d, clock, "a")
+    first_seat = await d.wait(first)
+    queued = enqueue(d, clock, "b")
+    waiter = asyncio.create_task(d.wait(queued))
+    others.held["r:r0"] = 2  # first's seat + one elsewhere: the next take is refused
+    flow = d.scheduler.default._flows[("b", "standard")]  # type: ignore[attr-defined]
+    d.finish(first, first_seat)  # pops b (charge), refused, back in the queue (refund)
+    await wait_for(lambda: d.pool.replicas[0].shared_full)
+    assert flow.finish == pytest.approx(0.0)
+    others.held["r:r0"] = 0
+    d.freed(None, None)
+    seat = await waiter
+    assert flow.finish == pytest.approx(10.0)
+    d.finish(queued, seat)
+
+
+async def test_reject_undoes_the_local_grant() -> None:
+    """The shared state refuses outright (reject mode): the error reaches the caller and
+    nothing stays counted locally."""
+    d, others, clock = make(seats=2)
+    others.down = True
+    ticket = enqueue(d, clock, "b")
+    with pytest.raises(StateUnavailable):
+        await d.wait(ticket)
+    assert d.pool.total_inflight() == 0 and d.inflight("b") == 0 and len(d.scheduler) == 0

@@ -1,0 +1,312 @@
+"""Several proxy processes on one real redis-server in front of one simulated replica.
+
+The simulator is the ground truth: it counts what it really ran at once
+(``peak_running``, its slots far above every limit here) and every request it
+received (``requests_total``). Requests go round-robin across the processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.sim import SimConfig, SimServer, start_sim
+from tests.fleet import ProxyProcess, start_serve, write_config
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+CHAT = "/v1/chat/completions"
+KEYS = {"a": "sk-shared-a", "b": "sk-shared-b", "c": "sk-shared-c"}
+#: Replica seats; the simulator has far more slots, so only the proxies bound it.
+SEATS = 4
+CAP_A = 3
+#: Bound on each wait in these tests (2 cores shared by many: generous).
+WAIT_S = 20.0
+
+
+def _body(tokens: int) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens}
+
+
+def _config(sim: SimServer, redis: RedisServer, **state: Any) -> dict[str, Any]:
+    return {
+        "replicas": [{"name": "r0", "url": sim.url, "max_concurrency": SEATS}],
+        "warmup": {"requests": 0},
+        "budgets": {"queue_ms": 10_000, "first_byte_ms": 10_000, "total_ms": 25_000},
+        "tenants": {
+            "a": {"api_keys": [KEYS["a"]], "max_concurrency": CAP_A, "queue_capacity": 100},
+            "b": {"api_keys": [KEYS["b"]], "queue_capacity": 100},
+            "c": {"api_keys": [KEYS["c"]], "rate_per_s": 2, "burst": 4},
+        },
+        "state": {"backend": "redis", "redis_url": redis.url, "timeout_ms": 500, **state},
+    }
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimServer]:
+    """Each request decodes its tokens 40 ms apart: ``max_tokens`` 8 holds a seat ~0.3 s."""
+    server = await start_sim(SimConfig(slots=64, decode_base_ms=40.0, decode_per_seq_ms=0.0))
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def _stats(session: aiohttp.ClientSession, sim: SimServer) -> dict[str, Any]:
+    async with session.get(sim.url + "/sim/stats") as resp:
+        stats: dict[str, Any] = await resp.json()
+        return stats
+
+
+async def _ready(session: aiohttp.ClientSession, proxies: Sequence[ProxyProcess]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        for proxy in proxies:
+            while True:
+                async with session.get(proxy.url + "/readyz") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+
+
+async def _start(tmp_path: Path, config: dict[str, Any], count: int) -> list[ProxyProcess]:
+    path = write_config(tmp_path / "shared.yaml", config)
+    proxies: list[ProxyProcess] = []
+    try:
+        for _ in range(count):
+            proxies.append(await start_serve(path))
+    except BaseException:
+        await _stop(proxies)
+        raise
+    return proxies
+
+
+async def _stop(proxies: Sequence[ProxyProcess]) -> None:
+    await asyncio.gather(*(p.stop() for p in proxies))
+
+
+async def _burst(
+    session: aiohttp.ClientSession,
+    urls: Sequence[str],
+    tenant: str,
+    count: int,
+    tokens: int = 8,
+) -> list[int]:
+    """``count`` requests at once, sent round-robin to ``urls``; their statuses."""
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    rotation = itertools.cycle(urls)
+
+    async def one(url: str) -> int:
+        async with session.post(url + CHAT, json=_body(tokens), headers=headers) as resp:
+            await resp.read()
+            return resp.status
+
+    async with asyncio.timeout(WAIT_S):
+        return list(await asyncio.gather(*(one(next(rotation)) for _ in range(count))))
+
+
+async def test_tenant_cap_and_replica_seats_hold_across_three_processes(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """3 processes, bursts round-robin: tenant a (cap 3) runs at most 3 at once in total, then
+    a and b together at most the replica's 4 seats; both limits are reached; all served once."""
+    proxies = await _start(tmp_path, _config(sim, redis_server), 3)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, proxies)
+            urls = [p.url for p in proxies]
+            base = (await _stats(session, sim))["requests_total"]
+            assert await _burst(session, urls, "a", 18) == [200] * 18
+            assert (await _stats(session, sim))["peak_running"] == CAP_A
+            a_and_b = await asyncio.gather(
+                _burst(session, urls, "a", 12), _burst(session, urls, "b", 18)
+            )
+            assert list(a_and_b) == [[200] * 12, [200] * 18]
+            stats = await _stats(session, sim)
+            assert stats["peak_running"] == SEATS
+            assert stats["requests_total"] - base == 18 + 12 + 18
+    finally:
+        await _stop(proxies)
+
+
+async def test_workers_share_the_replica_seats(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """``serve --workers 2``: a burst over fresh connections runs at most 4 at once in total."""
+    path = write_config(tmp_path / "shared.yaml", _config(sim, redis_server))
+    proxy = await start_serve(path, workers=2)
+    try:
+        connector = aiohttp.TCPConnector(force_close=True)  # new connection: either worker
+        async with aiohttp.ClientSession(connector=connector) as session:
+            await _ready(session, [proxy])
+            assert await _burst(session, [proxy.url], "b", 24) == [200] * 24
+            assert (await _stats(session, sim))["peak_running"] == SEATS
+    finally:
+        assert await proxy.stop() == 0
+
+
+async def test_a_rate_limit_admits_its_rate_in_total(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """Tenant c, 2/s with a burst of 4, 24 requests at once through 3 processes: about 4 pass
+    in total (3 times that if each process had its own bucket), the rest are 429."""
+    proxies = await _start(tmp_path, _config(sim, redis_server), 3)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, proxies)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            statuses = await _burst(session, [p.url for p in proxies], "c", 24, tokens=1)
+            elapsed = loop.time() - started
+            passed = statuses.count(200)
+            assert statuses.count(429) == 24 - passed
+            assert 4 <= passed <= 4 + 2 * elapsed + 1
+    finally:
+        await _stop(proxies)
+
+
+async def _metric(session: aiohttp.ClientSession, proxy: ProxyProcess, name: str) -> float:
+    """The sum of the samples of ``name`` (every label set) on ``proxy``'s /metrics."""
+    total, seen = 0.0, False
+    async with session.get(proxy.url + "/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith((name + " ", name + "{")):
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+    assert seen, f"{name} not exported"
+    return total
+
+
+async def test_sigkill_frees_the_seats_within_the_lease(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """Process 1 holds all 4 seats and is SIGKILLed: process 2's queued request gets a seat
+    once the dead leases expire (lease_ms 1500), not never."""
+    config = _config(sim, redis_server, lease_ms=1500)
+    proxies = await _start(tmp_path, config, 2)
+    first, second = proxies
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, proxies)
+            headers = {"Authorization": f"Bearer {KEYS['b']}"}
+            holders = [
+                asyncio.create_task(
+                    session.post(first.url + CHAT, json=_body(400), headers=headers)
+                )
+                for _ in range(SEATS)
+            ]
+            async with asyncio.timeout(WAIT_S):
+                while (await _stats(session, sim))["running"] < SEATS:
+                    await asyncio.sleep(0.02)
+            waiter = asyncio.create_task(_burst(session, [second.url], "b", 1, tokens=1))
+            async with asyncio.timeout(WAIT_S):
+                while await _metric(session, second, "admission_queue_depth") < 1:
+                    await asyncio.sleep(0.02)
+            assert not waiter.done()
+            os.kill(first.listening()[0]["pid"], signal.SIGKILL)
+            loop = asyncio.get_running_loop()
+            killed = loop.time()
+            assert await waiter == [200]
+            assert loop.time() - killed < 1.5 + 10  # generous bound around lease_ms
+            for holder in holders:
+                with pytest.raises(aiohttp.ClientError):
+                    (await holder).close()
+    finally:
+        await _stop(proxies)
+
+
+async def test_redis_restarted_mid_run(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """Redis killed and restarted during a steady load through 3 processes (local_share):
+    every request is answered and reaches the replica once; while the switch drains, the
+    seats stay within the documented bound (4, plus one local share for each other process:
+    places taken before the switch still run); once Redis is back the processes share
+    exactly 4 seats again (sampled: never above 4, and 4 reached through two processes,
+    which have one seat each while down)."""
+    # timeout_ms well above a loaded machine's stalls: only the restart may switch modes.
+    config = _config(sim, redis_server, lease_ms=3000, timeout_ms=1000)
+    proxies = await _start(tmp_path, config, 3)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, proxies)
+            async with asyncio.timeout(WAIT_S):  # each has seen the others (local_share's divisor)
+                for proxy in proxies:
+                    while await _metric(session, proxy, "admission_instances") != 3:
+                        await asyncio.sleep(0.05)
+            urls = [p.url for p in proxies]
+            base = (await _stats(session, sim))["requests_total"]
+            load = asyncio.create_task(_burst(session, urls, "b", 36))
+            async with asyncio.timeout(WAIT_S):
+                while (await _stats(session, sim))["requests_total"] - base < 8:
+                    await asyncio.sleep(0.02)
+            redis_server.stop()
+            async with asyncio.timeout(WAIT_S):
+                while (await _stats(session, sim))["requests_total"] - base < 20:
+                    await asyncio.sleep(0.02)
+            redis_server.start()
+            statuses = await load
+            assert statuses == [200] * 36
+            stats = await _stats(session, sim)
+            assert stats["requests_total"] - base == 36
+            assert stats["peak_running"] <= SEATS + 2 * 1
+            async with asyncio.timeout(WAIT_S):
+                for proxy in proxies:
+                    while await _metric(session, proxy, "admission_state_up") != 1:
+                        await asyncio.sleep(0.05)
+            again = asyncio.create_task(_burst(session, urls[:2], "b", 24, tokens=12))
+            seen: list[int] = []
+            async with asyncio.timeout(WAIT_S):
+                while not again.done():
+                    seen.append((await _stats(session, sim))["running"])
+                    await asyncio.sleep(0.005)
+            assert await again == [200] * 24
+            assert max(seen) == SEATS
+    finally:
+        await _stop(proxies)
+
+
+async def test_reject_answers_state_unavailable_and_recovers(
+    start_proxy: Any, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """on_failure reject, Redis stopped: 503 state_unavailable with the error body and headers,
+    nothing left held; Redis back: the next requests pass, without a restart."""
+    from tests.helpers import KEY_A, make_config
+
+    state = {
+        "backend": "redis",
+        "redis_url": redis_server.url,
+        "on_failure": "reject",
+        "timeout_ms": 2000,
+    }
+    proxy = await start_proxy(make_config([upstream_url], state=state))
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    ok = await proxy.client.post(CHAT, json=_body(2), headers=headers)
+    assert ok.status == 200
+    await ok.read()
+    redis_server.stop()
+    refused = await proxy.client.post(CHAT, json=_body(2), headers=headers)
+    assert refused.status == 503
+    assert refused.headers["X-Admission-Reason"] == "state_unavailable"
+    assert refused.headers["Retry-After"] and refused.headers["X-Request-Id"]
+    assert (await refused.json())["error"]["code"] == "state_unavailable"
+    proxy.assert_idle()
+    redis_server.start()
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            again = await proxy.client.post(CHAT, json=_body(2), headers=headers)
+            await again.read()
+            if again.status == 200:
+                break
+            assert again.status == 503
+            await asyncio.sleep(0.05)
+    assert proxy.runtime.state is not None and proxy.runtime.state.client.up
+    proxy.assert_idle()

@@ -1,0 +1,119 @@
+"""``serve --workers N``: N processes on one port, signals passed on, refused without Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.fleet import CLI, start_serve, write_config
+from tests.helpers import KEY_A
+from tests.redis_server import RedisServer
+
+CHAT = "/v1/chat/completions"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _config(upstream_url: str, **sections: Any) -> dict[str, Any]:
+    return {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 4}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+        "server": {"shutdown_grace_ms": 2000},
+        **sections,
+    }
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+async def test_several_workers_without_redis_are_refused(tmp_path: Path, command: str) -> None:
+    """--workers 2 with state.backend local: exit 2, and the message says Redis is needed."""
+    path = write_config(tmp_path / "c.yaml", _config("http://127.0.0.1:9"))
+    args = [str(path)] if command == "check-config" else ["--config", str(path), "--port", "0"]
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, command, *args, "--workers", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(20):
+        out, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert b"--workers 2 needs state.backend: redis" in err, err
+    assert out == b""
+
+
+async def test_check_config_accepts_several_workers_with_redis(tmp_path: Path) -> None:
+    """--workers 3 with state.backend redis passes check-config."""
+    config = _config("http://127.0.0.1:9", state={"backend": "redis"})
+    path = write_config(tmp_path / "c.yaml", config)
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "check-config", str(path), "--workers", "3", stdout=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(20):
+        await proc.communicate()
+    assert proc.returncode == 0
+
+
+@pytest.mark.redis
+async def test_workers_share_one_port_and_stop_on_sigterm(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """Two workers listen on one port (two pids), both answer, SIGTERM to the parent stops both."""
+    config = _config(upstream_url, state={"backend": "redis", "redis_url": redis_server.url})
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    try:
+        lines = proxy.listening()
+        assert len({line["pid"] for line in lines}) == 2
+        assert {line["port"] for line in lines} == {proxy.port}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(8):
+                async with session.post(proxy.url + CHAT, json=BODY, headers=AUTH) as resp:
+                    assert resp.status == 200
+    finally:
+        code = await proxy.stop()
+    assert code == 0
+    for line in lines:
+        with pytest.raises(ProcessLookupError):
+            os.kill(line["pid"], 0)
+
+
+@pytest.mark.redis
+async def test_a_worker_that_dies_is_started_again(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """SIGKILL of one worker: the parent starts another on the same port; SIGTERM ends all."""
+    config = _config(upstream_url, state={"backend": "redis", "redis_url": redis_server.url})
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    try:
+        victim = proxy.listening()[0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        await proxy.wait_listening(3)
+        third = proxy.listening()[2]
+        assert third["port"] == proxy.port and third["pid"] != victim
+        assert proxy.named("worker exited")[0]["pid"] == victim
+    finally:
+        assert await proxy.stop() == 0
+
+
+async def test_a_reload_leaves_the_state_section_for_a_restart(
+    start_proxy: Any, upstream_url: str, tmp_path: Path
+) -> None:
+    """The shared state is built once: a reload changing state.* logs it as needing a
+    restart and keeps the running value."""
+    from structlog.testing import capture_logs
+
+    from proxy.settings import load_config
+    from tests.test_control import _document, _reload, _write
+
+    path = tmp_path / "proxy.yaml"
+    document = _document(upstream_url, weight=1)
+    _write(path, document)
+    proxy = await start_proxy(load_config(path), config_path=str(path))
+    with capture_logs() as logs:
+        await _reload(proxy, path, {**document, "state": {"lease_ms": 3000}})
+    restart = {e["key"]: (e["running"], e["configured"]) for e in logs if "key" in e}
+    assert restart == {"state.lease_ms": (10_000, 3000)}
+    assert proxy.runtime.rules.config.state.lease_ms == 10_000
