@@ -194,3 +194,37 @@ async def test_a_restart_is_noticed_and_the_divisor_does_not_collapse(
     await timed.redis.flushall()
     assert await a.heartbeat() == 1
     assert lost == [True] and timed.instances == 2
+
+
+async def test_a_quota_charge_made_while_redis_was_down_is_corrected_where_it_was_made(
+    redis_server: RedisServer,
+) -> None:
+    """local_share: a charge made in the local store while Redis is down is settled in
+    that store after Redis is back, not given back to Redis (which never saw it);
+    a charge made in Redis is corrected there."""
+    from proxy.state.shared import SharedTokenQuotas
+
+    config = StateConfig(
+        backend="redis", redis_url=redis_server.url, timeout_ms=200, on_failure="local_share"
+    )
+    client = StateClient(config, probe_interval_s=0.0)
+    client.instances = 2
+    store = SharedTokenQuotas(client, RedisTokenQuotas(client, KEYS))
+    limits = QuotaLimits(per_day=1_000)
+    try:
+        in_redis = await store.charge("acme", 100, limits)
+        assert isinstance(in_redis, Charge)
+        redis_server.stop()
+        local = await store.charge("acme", 300, limits)
+        assert isinstance(local, Charge)
+        assert local.limits.per_day == 500  # the limit divided by the 2 instances last seen
+        redis_server.start()
+        left_local = await store.correct(local, 50)
+        assert left_local.day == 500 - 50  # settled in the local store, at its usage
+        # Redis (restarted empty) was not credited the local charge's 250 unused tokens.
+        assert (await store.remaining("acme", limits)).day == 1_000
+        fresh = await store.charge("acme", 200, limits)
+        assert isinstance(fresh, Charge)
+        assert (await store.correct(fresh, 120)).day == 1_000 - 120
+    finally:
+        await client.aclose()
