@@ -301,13 +301,20 @@ async def _admit(
     gate = None
     limited = tenant_config.token_quota.enabled or tenant_config.rate_per_s is not None
     if inference and not seatless and limited:
-        gate = await admit_tokens(
-            runtime.token_quotas, runtime.quotas, tenant, tenant_config, route, doc, body,
-            expected_output, model,
-        )  # fmt: skip
-        body = gate.body
-        if gate.held is not None:
-            record.quota_charged_tokens = gate.held.charge.tokens
+        try:
+            gate = await admit_tokens(
+                runtime.token_quotas, runtime.quotas, tenant, tenant_config, route, doc, body,
+                expected_output, model,
+            )  # fmt: skip
+        except TokenQuotaExceeded:
+            if config.mode != "observe":
+                raise
+            # Observed, not refused: forwarded uncharged, as enforcing would charge nothing.
+            record.observed = record.observed or would(TokenQuotaExceeded.reason)
+        if gate is not None:
+            body = gate.body
+            if gate.held is not None:
+                record.quota_charged_tokens = gate.held.charge.tokens
     record.entrance_done = runtime.clock.now()
     return Admitted(
         tenant=tenant,

@@ -287,3 +287,32 @@ async def test_switching_by_reload_loses_nothing_in_flight(
     assert [r.status for r in await asyncio.gather(*calls)] == [200] * 5
     assert gate.served == 5
     proxy.assert_idle()
+
+
+async def test_observe_mode_forwards_a_request_over_its_token_quota(
+    start_proxy: Start, aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """A token quota of 60 a day: the first request's estimate (its prompt and 10
+    tokens) is charged; the second's (100 tokens) does not fit, so enforcing would
+    answer 429 token_quota_exceeded; in observe mode it is forwarded and answered
+    200, counted would_token_quota_exceeded, and charged nothing."""
+    gate = Gate()
+    gate.open.set()
+    server = await aiohttp_server(gate.app())
+    url = str(server.make_url("")).rstrip("/")
+    path = tmp_path / "proxy.yaml"
+    _write(path, _document(url, "observe", token_quota={"per_day": 60}))
+    log = io.StringIO()
+    proxy = await start_proxy(load_config(path), access_log=log)
+    statuses = []
+    for max_tokens in (10, 100):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+        async with proxy.client.post(CHAT, json=body, headers=AUTH) as resp:
+            statuses.append(resp.status)
+    assert statuses == [200, 200] and gate.served == 2
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert _observed(metrics) == {"would_token_quota_exceeded": 1.0}
+    lines = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert [line["observed"] for line in lines] == [None, "would_token_quota_exceeded"]
+    assert lines[0]["quota_charged_tokens"] > 0 and lines[1]["quota_charged_tokens"] is None
+    proxy.assert_idle()
