@@ -61,6 +61,7 @@ from proxy.config_errors import (
     rule_violations,
     with_rule_violations,
 )
+from proxy.loadtest.pause import PAUSE_FIELD
 from proxy.sim.faults import FIELDS as FAULT_FIELDS
 from proxy.sim.faults import Faults, FaultsError, update_faults
 
@@ -154,7 +155,12 @@ class TenantLoad(_Section):
 
 
 class PhaseFault(_Section):
-    """Simulator faults on for one phase: ``target`` plus any ``/sim/faults`` fields."""
+    """Faults on for one phase: ``target`` plus any ``/sim/faults`` fields.
+
+    ``pause: true`` is the one fault for a real engine: it goes to a pause
+    controller (``proxy.loadtest.pause``) that freezes the engine's process
+    for the phase, so it stands alone (a simulator does not know it).
+    """
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -163,17 +169,31 @@ class PhaseFault(_Section):
     @model_validator(mode="after")
     def _check_fields(self) -> PhaseFault:
         settings = self.settings()
+        if PAUSE_FIELD in settings:
+            return self._check_pause(settings)
         unknown = sorted(set(settings) - FAULT_FIELDS)
         problems: Problems = [((name,), "unknown simulator fault field") for name in unknown]
         if not settings:
-            problems.append(
-                ((), f"name at least one fault field: {', '.join(sorted(FAULT_FIELDS))}")
-            )
+            known = sorted(FAULT_FIELDS | {PAUSE_FIELD})
+            problems.append(((), f"name at least one fault field: {', '.join(known)}"))
         if not problems:
             try:
                 update_faults(Faults(), settings)
             except FaultsError as exc:
                 problems.append(((), str(exc)))
+        if isinstance(self.target, int) and self.target < 0:
+            problems.append((("target",), "must be >= 0 (an index into --fault-url)"))
+        if problems:
+            raise rule_violations("fault", problems)
+        return self
+
+    def _check_pause(self, settings: Mapping[str, Any]) -> PhaseFault:
+        problems: Problems = [
+            ((name,), "pause stands alone: a pause controller knows no other fault field")
+            for name in sorted(set(settings) - {PAUSE_FIELD})
+        ]
+        if settings[PAUSE_FIELD] is not True:
+            problems.append(((PAUSE_FIELD,), "must be true (the phase freezes the engine)"))
         if isinstance(self.target, int) and self.target < 0:
             problems.append((("target",), "must be >= 0 (an index into --fault-url)"))
         if problems:
