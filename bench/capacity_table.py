@@ -7,9 +7,13 @@ product's own command, ``admission-proxy loadtest phases``, with the workload
 below, and prints the capacity table that ends its report. Every server is a
 child process on a loopback port, stopped in ``finally``.
 
-The simulated run has a fault phase (one replica answers 30% of requests with
-503). ``llama-server`` has no fault switch, so the llama run's table says its
-fault row was not measured.
+Each run has a fault phase. Simulated: one replica answers 30% of requests
+with 503 (the simulator's ``/sim/faults``). Real engines: ``llama-server``
+has no fault switch, so the harness runs a pause controller
+(``python -m proxy.loadtest.pause``) for replica 0's process and the phase
+freezes it (SIGSTOP, SIGCONT when the phase ends): a hung replica, with its
+connections open and nothing answered, for the proxy's first-byte timeout,
+retries and health ejection to handle.
 
     .venv/bin/python -m bench.capacity_table [--engine sim|llama] [--duration-scale F]
         [--out DIR]
@@ -67,6 +71,11 @@ def workload(engine: str) -> dict[str, Any]:
         phases.append(
             {"name": "replica-errors", "duration_s": 20, "rate_per_s": low * 1.5,
              "fault": {"target": 0, "error_rate": 0.3, "error_status": 503}}
+        )  # fmt: skip
+    else:
+        phases.append(
+            {"name": "replica-hung", "duration_s": 20, "rate_per_s": low * 1.5,
+             "fault": {"target": 0, "pause": True}}
         )  # fmt: skip
     phases.append({"name": "recovery", "duration_s": 20, "rate_per_s": low})
     return {
@@ -133,6 +142,14 @@ def start_replicas(engine: str, workdir: Path) -> list[Server]:
     return servers
 
 
+def start_pause_controller(engine: Server, workdir: Path) -> Server:
+    """The fault switch for ``engine``'s process: ``{"pause": true}`` freezes it."""
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.loadtest.pause", "--pid", str(engine.process.pid),
+            "--port", str(port)]  # fmt: skip
+    return start_server("pause-" + engine.name, argv, port, "/health", workdir, scrubbed_env())
+
+
 async def wait_all(servers: Sequence[Server]) -> None:
     async with aiohttp.ClientSession() as session:
         for server in servers:
@@ -166,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "--duration-scale", str(args.duration_scale)]  # fmt: skip
             if args.engine == "sim":
                 command += ["--fault-url", servers[0].url]
+            else:  # stopped before the engines (reversed below), so it lets go of them first
+                servers.append(start_pause_controller(servers[0], workdir))
+                asyncio.run(wait_all([servers[-1]]))
+                command += ["--fault-url", servers[-1].url]
             status = subprocess.run(command, cwd=ROOT, check=False).returncode
             out.mkdir(parents=True, exist_ok=True)
             (out / "workload.yaml").write_text(load.read_text())

@@ -15,7 +15,8 @@ measured from the run:
   phase (``drain_after``), with what the burst cost: its good share, what was
   refused and why, the deepest queue, the good share per tenant;
 - **fault degradation**: the good share and goodput during the phases with a
-  simulator fault, against the stable phase's, and the proxy's retries.
+  fault (a simulator fault, or a real engine frozen by ``pause``), against
+  the stable phase's, and the proxy's retries.
 
 A row whose phase does not exist (no fault phase, no phase good enough) has
 no value and says why. Every row carries the config fingerprint (SHA-256 of

@@ -3,8 +3,9 @@
 Owns ``PhasesPlan`` (target, workload, fault URLs), ``run_phases`` and
 ``PhasesResult``. The schedule is drawn up front (``schedule``), sent on
 time by the open loop (``generator``), while ``/metrics`` is scraped for
-queue depth and retries (``scrape``) and a phase's simulator fault is
-switched on at its start and restored at its end. The tables and series
+queue depth and retries (``scrape``) and a phase's fault (a simulator's,
+or a real engine's through ``pause``) is switched on at its start and
+restored at its end. The tables and series
 come from ``timeline``.
 
 A fault is always restored, whatever ends the run (an error, Ctrl-C): the
