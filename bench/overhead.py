@@ -57,6 +57,7 @@ from bench.processes import (
     free_port,
     listen_overflows,
     start_server,
+    start_upstream_and_passthrough,
     stop_server,
     wait_ready,
 )
@@ -151,18 +152,7 @@ def servers(workdir: Path, exported: dict[str, int]) -> Iterator[dict[str, Serve
     python = sys.executable
     command = str(Path(python).parent / "admission-proxy")
     try:
-        port = free_port()
-        upstream = start_server(
-            "upstream", [python, "-m", "bench.fast_upstream", "--port", str(port)],
-            port, "/health", workdir,
-        )  # fmt: skip
-        started.append(upstream)
-        port = free_port()
-        started.append(start_server(
-            "passthrough",
-            [python, "-m", "bench.passthrough", "--port", str(port), "--upstream", upstream.url],
-            port, "/health", workdir,
-        ))  # fmt: skip
+        upstream = start_upstream_and_passthrough(workdir, started)
         port = free_port()
         sink = start_server(
             "sink", [python, "-m", "bench.otlp_sink", "--port", str(port)], port, "/health",

@@ -127,6 +127,28 @@ def start_server(
     )
 
 
+def start_upstream_and_passthrough(
+    workdir: Path, started: list[Server], upstream_name: str = "upstream"
+) -> Server:
+    """The fast upstream and the bare pass-through in front of it, the baseline pair of
+    the overhead-style benchmarks; both appended to ``started`` (stopped by the caller,
+    in reverse order). Returns the upstream."""
+    python = sys.executable
+    port = free_port()
+    upstream = start_server(
+        upstream_name, [python, "-m", "bench.fast_upstream", "--port", str(port)],
+        port, "/health", workdir,
+    )  # fmt: skip
+    started.append(upstream)
+    port = free_port()
+    started.append(start_server(
+        "passthrough",
+        [python, "-m", "bench.passthrough", "--port", str(port), "--upstream", upstream.url],
+        port, "/health", workdir,
+    ))  # fmt: skip
+    return upstream
+
+
 def stop_server(server: Server) -> None:
     """SIGTERM (the servers shut down gracefully), SIGKILL if that takes too long."""
     if server.process.poll() is not None:

@@ -49,7 +49,14 @@ from aiohttp import web
 from bench.common import access_log_requests, cpu_line, machine, revision, write_results
 from bench.load import load_session
 from bench.overhead import API_KEY, TENANT, Run, measure
-from bench.processes import Server, free_port, start_server, stop_server, wait_ready
+from bench.processes import (
+    Server,
+    free_port,
+    start_server,
+    start_upstream_and_passthrough,
+    stop_server,
+    wait_ready,
+)
 from proxy.app import build_app
 from proxy.clock import FakeClock
 from proxy.settings import load_config, parse_config
@@ -134,18 +141,7 @@ def cost_servers(workdir: Path) -> Iterator[dict[str, Server]]:
     python = sys.executable
     command = str(Path(python).parent / "admission-proxy")
     try:
-        port = free_port()
-        upstream = start_server(
-            "direct", [python, "-m", "bench.fast_upstream", "--port", str(port)],
-            port, "/health", workdir,
-        )  # fmt: skip
-        started.append(upstream)
-        port = free_port()
-        started.append(start_server(
-            "passthrough",
-            [python, "-m", "bench.passthrough", "--port", str(port), "--upstream", upstream.url],
-            port, "/health", workdir,
-        ))  # fmt: skip
+        upstream = start_upstream_and_passthrough(workdir, started, "direct")
         for name, quota in (("proxy", False), ("proxy+quota", True)):
             port = free_port()
             config = _proxy_config(workdir, port, upstream.url, quota)

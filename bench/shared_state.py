@@ -47,6 +47,7 @@ from bench.processes import (
     free_port,
     spawn,
     start_server,
+    start_upstream_and_passthrough,
     stop_server,
     wait_ready,
 )
@@ -125,18 +126,7 @@ def servers(workdir: Path) -> Iterator[tuple[dict[str, Server], Server]]:
         )  # fmt: skip
         started.append(redis)
         redis_url = f"redis://127.0.0.1:{port}/0"
-        port = free_port()
-        upstream = start_server(
-            "upstream", [python, "-m", "bench.fast_upstream", "--port", str(port)],
-            port, "/health", workdir,
-        )  # fmt: skip
-        started.append(upstream)
-        port = free_port()
-        started.append(start_server(
-            "passthrough",
-            [python, "-m", "bench.passthrough", "--port", str(port), "--upstream", upstream.url],
-            port, "/health", workdir,
-        ))  # fmt: skip
+        upstream = start_upstream_and_passthrough(workdir, started)
         for name, url, workers in (
             ("local", None, 1), ("redis", redis_url, 1), ("redis-w2", redis_url, 2),
         ):  # fmt: skip
