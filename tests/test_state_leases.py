@@ -314,3 +314,22 @@ async def test_weights_set_the_fair_turn(client: StateClient) -> None:
     assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("a")), Full)
     assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("b", 3.0)), Lease)
     await timed.aclose()
+
+
+async def test_a_seat_taken_while_redis_was_down_counts_for_its_tenant(
+    client: StateClient,
+) -> None:
+    """Two seats a took locally (Redis down), written back by the keeper, are a's in the
+    fair turn: with b waiting, a third seat for a is refused."""
+    clock = FakeClock(start=4_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    store = LeaseStore(timed, "p1", 10_000)
+    local = [store.local(SEATS, CHANNEL, _share("a")) for _ in range(2)]
+    assert await store.restore(SEATS, [lease.id for lease in local]) == {x.id for x in local}
+    other = await store.acquire(SEATS, 3, CHANNEL, _share("c"))
+    assert isinstance(other, Lease)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("b")), Full)
+    assert await store.release(other)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("a")), Full)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("b")), Lease)
+    await timed.aclose()

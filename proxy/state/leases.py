@@ -216,10 +216,14 @@ class LeaseStore:
         lost = await self._client.run(_RENEW, [key], [self.lease_ms, *lease_ids])
         return set(lost)
 
-    def local(self, key: str, channel: str) -> Lease:
+    def local(self, key: str, channel: str, share: Share | None = None) -> Lease:
         """A lease taken without Redis (``on_failure: local_share`` while it is down);
-        the keeper's first renewal once Redis answers puts it there (``restore``)."""
-        return Lease(key, f"{self._owner}:{next(self._ids)}", channel)
+        the keeper's first renewal once Redis answers puts it there (``restore``), in
+        its tenant's name when it is a seat (``share``)."""
+        lease_id = f"{self._owner}:{next(self._ids)}"
+        if share is not None:
+            lease_id = f"{share.tenant}|{lease_id}"
+        return Lease(key, lease_id, channel)
 
     async def restore(self, key: str, lease_ids: Iterable[str]) -> set[str]:
         """Renew every given lease at ``key``, adding back those Redis no longer has

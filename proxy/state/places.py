@@ -183,7 +183,7 @@ class RedisPlaces:
         if over is not None:
             return over
         tenant_lease = None if place is None else self.store.local(place.key, place.channel)
-        return self._held(tenant_lease, self.store.local(seat.key, seat.channel))
+        return self._held(tenant_lease, self.store.local(seat.key, seat.channel, seat.share))
 
     def _over_local_share(
         self, instances: int, tenant: str, place: Want | None, replica: str, seat: Want
