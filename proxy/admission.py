@@ -35,6 +35,8 @@ class TenantLimits:
 
     max_concurrency: int | None
     queue_capacity: int
+    #: Fair-share weight: the shared seats are shared across processes by it too.
+    weight: float = 1.0
 
 
 def shutting_down() -> ShuttingDown:

@@ -307,10 +307,11 @@ class Dispatcher:
         assert self.shared is not None
         limits = self._limits.get(ticket.tenant)
         cap = limits.max_concurrency if limits is not None else None
+        weight = limits.weight if limits is not None else 1.0
         replica = seat.replica
         seats = replica.limit + (replica.headroom if seat.headroom else 0)
         try:
-            answer = await self.shared.take(ticket.tenant, cap, replica.name, seats)
+            answer = await self.shared.take(ticket.tenant, cap, replica.name, seats, weight)
         except BaseException:
             self._ungrant(ticket, seat)
             self.pump()

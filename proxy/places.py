@@ -37,8 +37,11 @@ class Blocked:
 
 
 class SharedPlaces(Protocol):
-    async def take(self, tenant: str, cap: int | None, replica: str, seats: int) -> Held | Blocked:
-        """The tenant's place (when ``cap``) and one of ``seats`` seats of ``replica``.
+    async def take(
+        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0
+    ) -> Held | Blocked:
+        """The tenant's place (when ``cap``) and one of ``seats`` seats of ``replica``,
+        the seat in the tenant's fair turn (``weight``) among the tenants waiting there.
 
         Both or neither; raises ``StateUnavailable`` when the state is down and
         ``on_failure`` is ``reject``.

@@ -58,7 +58,9 @@ class Rules:
 
     def tenant_limits(self) -> dict[str, TenantLimits]:
         return {
-            name: TenantLimits(max_concurrency=t.max_concurrency, queue_capacity=t.queue_capacity)
+            name: TenantLimits(
+                max_concurrency=t.max_concurrency, queue_capacity=t.queue_capacity, weight=t.weight
+            )
             for name, t in self.config.tenants.items()
         }
 

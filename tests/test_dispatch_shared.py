@@ -35,7 +35,9 @@ class OtherInstances:
         self.held[key] = self.held.get(key, 0) + 1
         return True
 
-    async def take(self, tenant: str, cap: int | None, replica: str, seats: int) -> Held | Blocked:
+    async def take(
+        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0
+    ) -> Held | Blocked:
         if self.down:
             raise StateUnavailable("down", retry_after_s=1.0)
         place = None

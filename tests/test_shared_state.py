@@ -310,3 +310,54 @@ async def test_reject_answers_state_unavailable_and_recovers(
             await asyncio.sleep(0.05)
     assert proxy.runtime.state is not None and proxy.runtime.state.client.up
     proxy.assert_idle()
+
+
+@pytest.mark.parametrize(("weight", "share"), [(1.0, 0.35), (3.0, 0.6)])
+async def test_a_tenant_gets_its_share_through_another_process(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer, weight: float, share: float
+) -> None:
+    """a floods the 4 shared seats through process 1; b (weight 1, then 3) sends through
+    process 2. While both are backlogged b completes its weighted share (1/2, 3/4) of the
+    requests, less a margin: without fair sharing in Redis a freed seat goes to whichever
+    process asks first, whatever the weights (b about half at best)."""
+    config = _config(sim, redis_server)
+    del config["tenants"]["a"]["max_concurrency"]
+    config["tenants"]["b"]["weight"] = weight
+    config["budgets"] = {"queue_ms": 20_000, "first_byte_ms": 10_000, "total_ms": 35_000}
+    proxies = await _start(tmp_path, config, 2)
+    done = {"a": 0, "b": 0}
+    stop = asyncio.Event()
+
+    async def client(session: aiohttp.ClientSession, url: str, tenant: str) -> None:
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        for _ in range(200):  # bounded; ``stop`` ends it far sooner
+            if stop.is_set():
+                return
+            async with session.post(url + CHAT, json=_body(8), headers=headers) as resp:
+                await resp.read()
+                assert resp.status == 200, (resp.headers.get("X-Admission-Reason"), tenant)
+            if not stop.is_set():
+                done[tenant] += 1
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, proxies)
+            flood = [asyncio.create_task(client(session, proxies[0].url, "a")) for _ in range(12)]
+            victim: list[asyncio.Task[None]] = []
+            try:
+                async with asyncio.timeout(WAIT_S):
+                    while done["a"] < 4:  # a holds every seat and has a backlog
+                        await asyncio.sleep(0.02)
+                    done["a"] = 0
+                    victim = [
+                        asyncio.create_task(client(session, proxies[1].url, "b")) for _ in range(8)
+                    ]
+                    while done["a"] + done["b"] < 80:
+                        await asyncio.sleep(0.02)
+            finally:
+                stop.set()
+                async with asyncio.timeout(WAIT_S):
+                    await asyncio.gather(*flood, *victim)
+        assert done["b"] >= share * (done["a"] + done["b"]), done
+    finally:
+        await _stop(proxies)

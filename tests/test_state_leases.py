@@ -16,7 +16,7 @@ from proxy.clock import FakeClock
 from proxy.settings import StateConfig
 from proxy.state.client import StateClient, StateDown
 from proxy.state.keys import StateKeys
-from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
 from proxy.state.notify import FreedListener
 from proxy.state.pair import Refused, Want, acquire_pair
 from tests.redis_server import RedisServer
@@ -216,11 +216,13 @@ class _SecondCallFails(LeaseStore):
         super().__init__(client, "a", 10_000)
         self.calls = 0
 
-    async def acquire(self, key: str, limit: int, channel: str) -> Lease | Full:
+    async def acquire(
+        self, key: str, limit: int, channel: str, share: Share | None = None
+    ) -> Lease | Full:
         self.calls += 1
         if self.calls == 2:
             raise StateDown("down", on_failure="reject", instances=1)
-        return await super().acquire(key, limit, channel)
+        return await super().acquire(key, limit, channel, share)
 
 
 async def test_pair_compensates_when_redis_fails_in_between(client: StateClient) -> None:
@@ -264,3 +266,70 @@ async def test_subscriber_comes_back_after_a_redis_restart(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+def _share(tenant: str, weight: float = 1.0) -> Share:
+    return Share(tenant, weight, KEYS.waiting("gpu-0"), KEYS.waiting_weights("gpu-0"), 400)
+
+
+async def test_a_free_seat_goes_to_the_waiting_tenant_in_its_fair_turn(
+    client: StateClient,
+) -> None:
+    """a holds 2 of 3 seats; b (same weight) was refused when they were full. A seat frees:
+    a asking first is refused (its third seat before b's first) and counted waiting, b gets
+    it; a waiter that stops asking counts no more after its 400 ms (nothing stays idle)."""
+    clock = FakeClock(start=2_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    store = LeaseStore(timed, "p1", 10_000)
+    a = [await store.acquire(SEATS, 3, CHANNEL, _share("a")) for _ in range(3)]
+    assert all(isinstance(x, Lease) for x in a)
+    full = await store.acquire(SEATS, 3, CHANNEL, _share("b"))
+    assert isinstance(full, Full) and full.retry_in_s == pytest.approx(0.2)  # asked back
+    freed = a[2]
+    assert isinstance(freed, Lease) and await store.release(freed)
+    turn = await store.acquire(SEATS, 3, CHANNEL, _share("a"))
+    assert isinstance(turn, Full) and turn.held == 2
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("b")), Lease)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("c")), Full)
+    clock.advance(0.5)  # a's and c's waiting entries expire unrenewed
+    held_a = a[0]
+    assert isinstance(held_a, Lease) and await store.release(held_a)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("a")), Lease)
+    await timed.aclose()
+
+
+async def test_weights_set_the_fair_turn(client: StateClient) -> None:
+    """b (weight 3) waits while a (weight 1) holds 1 of 4 and b 2: a's next seat would put it
+    at 2 / 1 against b's 3 / 3, so the free seat is b's; b then holds 3 to a's 1."""
+    clock = FakeClock(start=3_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    store = LeaseStore(timed, "p1", 10_000)
+    assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("a")), Lease)
+    for _ in range(2):
+        assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("b", 3.0)), Lease)
+    extra = await store.acquire(SEATS, 4, CHANNEL, _share("a"))
+    assert isinstance(extra, Lease)
+    assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("b", 3.0)), Full)
+    assert await store.release(extra)
+    assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("a")), Full)
+    assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("b", 3.0)), Lease)
+    await timed.aclose()
+
+
+async def test_a_seat_taken_while_redis_was_down_counts_for_its_tenant(
+    client: StateClient,
+) -> None:
+    """Two seats a took locally (Redis down), written back by the keeper, are a's in the
+    fair turn: with b waiting, a third seat for a is refused."""
+    clock = FakeClock(start=4_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    store = LeaseStore(timed, "p1", 10_000)
+    local = [store.local(SEATS, CHANNEL, _share("a")) for _ in range(2)]
+    assert await store.restore(SEATS, [lease.id for lease in local]) == {x.id for x in local}
+    other = await store.acquire(SEATS, 3, CHANNEL, _share("c"))
+    assert isinstance(other, Lease)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("b")), Full)
+    assert await store.release(other)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("a")), Full)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("b")), Lease)
+    await timed.aclose()

@@ -38,6 +38,14 @@ class StateKeys:
         """ZSET lease id -> expiry (ms): the replica's seats (``max_concurrency`` + headroom)."""
         return f"{self._replica(replica)}:seats"
 
+    def waiting(self, replica: str) -> str:
+        """ZSET tenant -> expiry (ms): tenants refused a seat of the replica (fair sharing)."""
+        return f"{self._replica(replica)}:waiting"
+
+    def waiting_weights(self, replica: str) -> str:
+        """Hash tenant -> weight of the tenants in ``waiting``."""
+        return f"{self._replica(replica)}:waiting:weights"
+
     def quota_minute(self, tenant: str) -> str:
         """Hash ``tokens``, ``stamp``: the tenant's per-minute token bucket."""
         return f"{self._tenant(tenant)}:quota:minute"

@@ -45,6 +45,60 @@ redis.call('PEXPIRE', key, 2 * lease_ms)
 return {1, held + 1, '0'}
 """
 
+#: Acquire of a replica seat with fair sharing across processes: members are
+#: ``<tenant>|<lease id>``; KEYS[2] is the ZSET of tenants refused a seat there
+#: (tenant -> expiry ms), KEYS[3] their weights. A free seat goes to the caller
+#: only when its finish tag, (seats held + 1) / weight, is not above that of any
+#: other waiting tenant (weighted fair queuing over the seats); a refusal records the caller as
+#: waiting for ``wait_ms`` and asks it back within half of that, so a waiter that
+#: is gone stops counting within ``wait_ms``.
+_ACQUIRE_FAIR = """
+local now = now_ms()
+local key, waiting, weights = KEYS[1], KEYS[2], KEYS[3]
+local id, limit, lease_ms = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local tenant, weight, wait_ms = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+redis.call('ZREMRANGEBYSCORE', waiting, '-inf', now)
+local held = redis.call('ZCARD', key)
+local refuse = nil
+if held >= limit then
+  local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  refuse = lease_ms
+  if first[2] then refuse = tonumber(first[2]) - now end
+else
+  local others = redis.call('ZRANGE', waiting, 0, -1)
+  local least = nil
+  local counts = nil
+  for _, t in ipairs(others) do
+    if t ~= tenant then
+      if counts == nil then
+        counts = {}
+        for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+          local owner = string.match(m, '^(.*)|')
+          if owner then counts[owner] = (counts[owner] or 0) + 1 end
+        end
+      end
+      local v = ((counts[t] or 0) + 1) / (tonumber(redis.call('HGET', weights, t)) or 1)
+      if least == nil or v < least then least = v end
+    end
+  end
+  if least ~= nil and ((counts[tenant] or 0) + 1) / weight > least + 1e-9 then
+    refuse = wait_ms
+  end
+end
+if refuse then
+  redis.call('ZADD', waiting, now + wait_ms, tenant)
+  redis.call('HSET', weights, tenant, ARGV[6])
+  redis.call('PEXPIRE', waiting, 2 * wait_ms)
+  redis.call('PEXPIRE', weights, 2 * wait_ms)
+  return {0, held, tostring(math.min(refuse, math.floor(wait_ms / 2)))}
+end
+redis.call('ZREM', waiting, tenant)
+redis.call('ZADD', key, now + lease_ms, tenant .. '|' .. id)
+redis.call('PEXPIRE', key, 2 * lease_ms)
+return {1, held + 1, '0'}
+"""
+
 _RELEASE = """
 local removed = redis.call('ZREM', KEYS[1], ARGV[2])
 if removed == 1 then redis.call('PUBLISH', ARGV[3], KEYS[1]) end
@@ -88,6 +142,21 @@ return redis.call('ZCOUNT', KEYS[1], '(' .. now_ms(), '+inf')
 
 
 @dataclass(frozen=True, slots=True)
+class Share:
+    """Who asks for a seat, for fair sharing across processes (``_ACQUIRE_FAIR``).
+
+    ``waiting`` and ``weights`` are the seat key's siblings on its hash tag;
+    ``wait_ms`` is how long a refused tenant counts as waiting unless it asks again.
+    """
+
+    tenant: str
+    weight: float
+    waiting: str
+    weights: str
+    wait_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     key: str
     id: str
@@ -114,12 +183,25 @@ class LeaseStore:
         self._ids = itertools.count(1)
         self.lease_ms = lease_ms
 
-    async def acquire(self, key: str, limit: int, channel: str) -> Lease | Full:
-        """Take one of ``limit`` places at ``key``, or say when one may free."""
+    async def acquire(
+        self, key: str, limit: int, channel: str, share: Share | None = None
+    ) -> Lease | Full:
+        """Take one of ``limit`` places at ``key``, or say when one may free.
+
+        With ``share`` (a replica seat) the place goes to the tenant only in its
+        fair turn among the tenants waiting there (still one call)."""
         lease_id = f"{self._owner}:{next(self._ids)}"
-        granted, held, wait = await self._client.run(
-            _ACQUIRE, [key], [lease_id, limit, self.lease_ms]
-        )
+        if share is None:
+            granted, held, wait = await self._client.run(
+                _ACQUIRE, [key], [lease_id, limit, self.lease_ms]
+            )
+        else:
+            granted, held, wait = await self._client.run(
+                _ACQUIRE_FAIR,
+                [key, share.waiting, share.weights],
+                [lease_id, limit, self.lease_ms, share.tenant, repr(share.weight), share.wait_ms],
+            )
+            lease_id = f"{share.tenant}|{lease_id}"
         if int(granted):
             return Lease(key, lease_id, channel)
         return Full(int(held), max(0.0, float(wait)) / 1000)
@@ -134,10 +216,14 @@ class LeaseStore:
         lost = await self._client.run(_RENEW, [key], [self.lease_ms, *lease_ids])
         return set(lost)
 
-    def local(self, key: str, channel: str) -> Lease:
+    def local(self, key: str, channel: str, share: Share | None = None) -> Lease:
         """A lease taken without Redis (``on_failure: local_share`` while it is down);
-        the keeper's first renewal once Redis answers puts it there (``restore``)."""
-        return Lease(key, f"{self._owner}:{next(self._ids)}", channel)
+        the keeper's first renewal once Redis answers puts it there (``restore``), in
+        its tenant's name when it is a seat (``share``)."""
+        lease_id = f"{self._owner}:{next(self._ids)}"
+        if share is not None:
+            lease_id = f"{share.tenant}|{lease_id}"
+        return Lease(key, lease_id, channel)
 
     async def restore(self, key: str, lease_ids: Iterable[str]) -> set[str]:
         """Renew every given lease at ``key``, adding back those Redis no longer has

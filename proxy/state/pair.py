@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass
 
 from proxy.state.client import StateDown
-from proxy.state.leases import Full, Lease, LeaseStore
+from proxy.state.leases import Full, Lease, LeaseStore, Share
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,8 @@ class Want:
     key: str
     limit: int
     channel: str
+    #: A replica seat: who asks, for fair sharing across processes.
+    share: Share | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +39,11 @@ async def acquire_pair(
     store: LeaseStore, first: Want, second: Want
 ) -> tuple[Lease, Lease] | Refused:
     """Both leases, or neither: ``Refused`` when one is full, ``StateDown`` raised as is."""
-    one = await store.acquire(first.key, first.limit, first.channel)
+    one = await store.acquire(first.key, first.limit, first.channel, first.share)
     if isinstance(one, Full):
         return Refused(0, one)
     try:
-        two = await store.acquire(second.key, second.limit, second.channel)
+        two = await store.acquire(second.key, second.limit, second.channel, second.share)
     except BaseException:
         with contextlib.suppress(StateDown):
             await store.release(one)

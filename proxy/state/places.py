@@ -37,7 +37,7 @@ from proxy.errors import StateUnavailable
 from proxy.places import Blocked, Held, PlaceKind
 from proxy.state.client import StateClient, StateDown
 from proxy.state.keys import StateKeys
-from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
 from proxy.state.pair import Refused, Want, acquire_pair
 
 #: While Redis is down, a place found full locally is looked at again after this long
@@ -45,6 +45,9 @@ from proxy.state.pair import Refused, Want, acquire_pair
 DEGRADED_RETRY_S = 0.5
 #: Pending releases that failed are tried again after this long.
 RELEASE_RETRY_S = 0.2
+#: A tenant refused a replica seat counts as waiting there this long unless it asks
+#: again (it is asked back within half of it): what a waiter that went away can cost.
+WAITING_MS = 400
 #: ``Retry-After`` of ``state_unavailable``.
 UNAVAILABLE_RETRY_AFTER_S = 1.0
 
@@ -113,8 +116,19 @@ class RedisPlaces:
 
     # -- taking ------------------------------------------------------------------------
 
-    async def take(self, tenant: str, cap: int | None, replica: str, seats: int) -> Held | Blocked:
-        seat = Want(self._keys.seats(replica), seats, self.replica_channel(replica))
+    async def take(
+        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0
+    ) -> Held | Blocked:
+        share = None
+        if tenant:
+            share = Share(
+                tenant,
+                weight,
+                self._keys.waiting(replica),
+                self._keys.waiting_weights(replica),
+                WAITING_MS,
+            )
+        seat = Want(self._keys.seats(replica), seats, self.replica_channel(replica), share)
         place = None
         if cap is not None:
             place = Want(self._keys.tenant_places(tenant), cap, self.tenant_channel(tenant))
@@ -130,7 +144,7 @@ class RedisPlaces:
             self._count(reserved, 1)
         try:
             if place is None:
-                got = await self.store.acquire(seat.key, seat.limit, seat.channel)
+                got = await self.store.acquire(seat.key, seat.limit, seat.channel, seat.share)
                 if isinstance(got, Full):
                     return Blocked("replica", replica, got.retry_in_s)
                 return self._held(None, got)
@@ -169,7 +183,7 @@ class RedisPlaces:
         if over is not None:
             return over
         tenant_lease = None if place is None else self.store.local(place.key, place.channel)
-        return self._held(tenant_lease, self.store.local(seat.key, seat.channel))
+        return self._held(tenant_lease, self.store.local(seat.key, seat.channel, seat.share))
 
     def _over_local_share(
         self, instances: int, tenant: str, place: Want | None, replica: str, seat: Want
