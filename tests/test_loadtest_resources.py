@@ -94,7 +94,10 @@ async def test_staircase_reads_the_engine_processes_cpu_and_memory(tmp_path: Pat
     and resident memory; the cool-down is waited between levels only; the engine was idle
     at every level's start; and the report says what it could not read (or read) of the GPU."""
     with sim_process(tmp_path) as url:
-        result = await run_staircase(quick_plan(url, cool_down_s=0.2))
+        # Enough work per level that the engine's CPU time spans many of /proc's
+        # 10 ms clock ticks: eight tiny requests could land between two ticks and read 0.
+        plan = quick_plan(url, cool_down_s=0.2, requests_per_level=48, max_tokens=16)
+        result = await run_staircase(plan)
     assert result.target is not None and result.target.kind == "engine"
     assert result.target.simulator is True
     assert [level.cool_down_s for level in result.levels] == [0.0, 0.2]
