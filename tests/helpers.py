@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.settings import Config, parse_config
 
@@ -44,6 +45,19 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> Non
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.005)
+
+
+def samples_by_label(metrics_text: str, name: str, label: str) -> dict[str, float]:
+    """The samples of one metric in a /metrics page, keyed by one of their labels (the
+    values of series that share that label are summed), parsed by prometheus-client's own
+    parser so the tests read the page as Prometheus does."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name:
+                key = sample.labels[label]
+                found[key] = found.get(key, 0.0) + sample.value
+    return found
 
 
 @contextlib.contextmanager

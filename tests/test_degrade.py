@@ -10,11 +10,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.degrade import cap_max_tokens
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+from tests.helpers import KEY_A, KEY_B, make_config, samples_by_label, wait_for
 from tests.upstreams import Upstream
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
@@ -90,21 +89,11 @@ async def _time_out_one(
 
 
 def _degraded_counts(text: str) -> dict[str, float]:
-    return {
-        s.labels["priority"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "admission_degraded_requests_total"
-    }
+    return samples_by_label(text, "admission_degraded_requests_total", "priority")
 
 
 def _pressure(text: str) -> dict[str, float]:
-    return {
-        s.labels["priority"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "admission_budget_pressure"
-    }
+    return samples_by_label(text, "admission_budget_pressure", "priority")
 
 
 async def test_a_listed_class_is_degraded_only_above_the_threshold(

@@ -18,7 +18,6 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admitted import Deadline
 from proxy.clock import FakeClock
@@ -28,7 +27,7 @@ from proxy.replicas import Replica, ReplicaName, ReplicaPool
 from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig, load_config
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, wait_for
+from tests.helpers import KEY_A, samples_by_label, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 ServerFactory = Callable[..., Awaitable[TestServer]]
@@ -190,12 +189,7 @@ def _write(path: Path, document: dict[str, Any]) -> None:
 
 
 def _observed(text: str) -> dict[str, float]:
-    return {
-        s.labels["reason"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "admission_observed_refusals_total"
-    }
+    return samples_by_label(text, "admission_observed_refusals_total", "reason")
 
 
 async def test_observe_mode_refuses_nothing_and_counts_every_would_be_refusal(

@@ -32,7 +32,6 @@ import pytest
 import yaml
 from aiohttp import web
 from multidict import CIMultiDict
-from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from proxy.app import build_app, build_runtime
@@ -41,7 +40,7 @@ from proxy.listener import Listener, ProxyRunner
 from proxy.reload import Reloader
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import DEFAULT_HEADER_MS, ConfigError, load_config
-from tests.helpers import KEY_A, make_config, wait_for
+from tests.helpers import KEY_A, make_config, samples_by_label, wait_for
 from tests.upstreams import Upstream
 
 CHAT = "/v1/chat/completions"
@@ -158,12 +157,7 @@ def _client_requests(upstream: Upstream) -> int:
 
 
 def _requests_total(metrics_text: str, reason: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == "admission_requests_total" and sample.labels["reason"] == reason:
-                total += sample.value
-    return total
+    return samples_by_label(metrics_text, "admission_requests_total", "reason").get(reason, 0.0)
 
 
 # -- the parser's refusals, against the real process ---------------------------------------------

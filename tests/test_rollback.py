@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config_history import ConfigHistory
 from proxy.settings import load_config
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, make_config, wait_for
+from tests.helpers import KEY_A, make_config, samples_by_label, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -104,13 +103,8 @@ async def test_a_bad_but_valid_config_is_rolled_back_under_load_losing_nothing(
     assert listed[0][1] == body["running"]["applied_at"]
     assert yaml.safe_load(text)["replicas"][0]["max_concurrency"] == 4  # still loads as YAML
     metrics = await (await proxy.client.get("/metrics")).text()
-    rolled = [
-        s.value
-        for f in text_string_to_metric_families(metrics)
-        for s in f.samples
-        if s.name == "admission_config_reloads_total" and s.labels["result"] == "rolled_back"
-    ]
-    assert rolled == [1.0]
+    rolled = samples_by_label(metrics, "admission_config_reloads_total", "result")
+    assert rolled.get("rolled_back") == 1.0
     proxy.assert_idle()
 
 
