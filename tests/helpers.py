@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from types import TracebackType
 from typing import Any
 
 import yaml
@@ -45,6 +46,48 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> Non
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.005)
+
+
+class SteadyLoad:
+    """``clients`` loops, each sending one request after another through ``send`` (which
+    returns the answer's status) until ``stop()``, at most ``max_requests`` in all: the
+    "under load" of the reload and rollback tests. Leaving the block on an exception
+    cancels the loops, so a failing test never leaves clients running."""
+
+    def __init__(
+        self, send: Callable[[], Awaitable[int]], clients: int = 8, max_requests: int = 20_000
+    ) -> None:
+        self.statuses: list[int] = []
+        self._send = send
+        self._clients = clients
+        self._max_requests = max_requests
+        self._stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def _loop(self) -> None:
+        while not self._stopped.is_set() and len(self.statuses) < self._max_requests:
+            self.statuses.append(await self._send())
+
+    async def __aenter__(self) -> SteadyLoad:
+        self._tasks = [asyncio.create_task(self._loop()) for _ in range(self._clients)]
+        return self
+
+    async def stop(self) -> None:
+        """Let every client finish its request in flight, then return."""
+        self._stopped.set()
+        await asyncio.gather(*self._tasks)
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stopped.set()
+        if kind is not None:
+            for task in self._tasks:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=kind is not None)
 
 
 def samples_by_label(metrics_text: str, name: str, label: str) -> dict[str, float]:

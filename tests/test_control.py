@@ -21,7 +21,7 @@ from proxy.settings import load_config
 from proxy.telemetry.gpu import FakeGpuProbe, GpuReading
 from proxy.telemetry.metrics import TenantLabels
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, KEY_B, handshake_never_completes, make_config, wait_for
+from tests.helpers import KEY_A, KEY_B, SteadyLoad, handshake_never_completes, make_config, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -105,33 +105,30 @@ async def test_reload_under_load_loses_nothing(
     path = tmp_path / "proxy.yaml"
     _write(path, _document(upstream_url, weight=1))
     proxy = await start_proxy(load_config(path), config_path=str(path))
-    statuses: list[int] = []
-    stop = asyncio.Event()
 
-    async def load() -> None:
-        while not stop.is_set():
-            resp = await proxy.client.post(CHAT, json={"hang_ms": 5}, headers=AUTH)
-            await resp.read()
-            statuses.append(resp.status)
+    async def chat() -> int:
+        resp = await proxy.client.post(CHAT, json={"hang_ms": 5}, headers=AUTH)
+        await resp.read()
+        return resp.status
 
-    workers = [asyncio.ensure_future(load()) for _ in range(8)]
-    await wait_for(lambda: len(statuses) > 20)
-    _write(path, _document(upstream_url, weight=5, extra_tenant=True))
-    assert (await (await proxy.client.post("/admin/reload")).json())["result"] == "ok"
-    state = await (await proxy.client.get("/admin/state")).json()
-    assert state["tenants"]["a"]["weight"] == 5
-    resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer sk-new"})
-    assert resp.status == 200
-    before = proxy.runtime.rules
-    path.write_text("replicas: []\ntenants: {a: {weight: -1}}\n")
-    resp = await proxy.client.post("/admin/reload")
-    assert resp.status == 422
-    paths = {e["path"] for e in (await resp.json())["errors"]}
-    assert {"replicas", "tenants.a.weight"} <= paths
-    assert proxy.runtime.rules is before
-    await wait_for(lambda: len(statuses) > 60)
-    stop.set()
-    await asyncio.gather(*workers)
+    async with SteadyLoad(chat, clients=8) as load:
+        await wait_for(lambda: len(load.statuses) > 20)
+        _write(path, _document(upstream_url, weight=5, extra_tenant=True))
+        assert (await (await proxy.client.post("/admin/reload")).json())["result"] == "ok"
+        state = await (await proxy.client.get("/admin/state")).json()
+        assert state["tenants"]["a"]["weight"] == 5
+        resp = await proxy.client.post(CHAT, json={}, headers={"Authorization": "Bearer sk-new"})
+        assert resp.status == 200
+        before = proxy.runtime.rules
+        path.write_text("replicas: []\ntenants: {a: {weight: -1}}\n")
+        resp = await proxy.client.post("/admin/reload")
+        assert resp.status == 422
+        paths = {e["path"] for e in (await resp.json())["errors"]}
+        assert {"replicas", "tenants.a.weight"} <= paths
+        assert proxy.runtime.rules is before
+        await wait_for(lambda: len(load.statuses) > 60)
+        await load.stop()
+    statuses = load.statuses
     assert set(statuses) == {200}
     metrics = await (await proxy.client.get("/metrics")).text()
     reloads = samples(metrics, "admission_config_reloads_total")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import re
 from collections.abc import Awaitable, Callable
@@ -16,7 +15,7 @@ import yaml
 from proxy.config_history import ConfigHistory
 from proxy.settings import load_config
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, make_config, samples_by_label, wait_for
+from tests.helpers import KEY_A, SteadyLoad, make_config, samples_by_label, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -67,34 +66,31 @@ async def test_a_bad_but_valid_config_is_rolled_back_under_load_losing_nothing(
     path = tmp_path / "proxy.yaml"
     good = _write(path, _document(upstream_url, seats=4))
     proxy = await start_proxy(load_config(path), config_path=str(path))
-    statuses: list[int] = []
-    stop = asyncio.Event()
 
-    async def load() -> None:
-        while not stop.is_set():
-            resp = await proxy.client.post(CHAT, json={"hang_ms": 5}, headers=AUTH)
-            await resp.read()
-            statuses.append(resp.status)
+    async def chat() -> int:
+        resp = await proxy.client.post(CHAT, json={"hang_ms": 5}, headers=AUTH)
+        await resp.read()
+        return resp.status
 
-    workers = [asyncio.ensure_future(load()) for _ in range(8)]
-    await wait_for(lambda: len(statuses) > 20)
-    bad = _write(path, _document(upstream_url, seats=1))
-    assert (await (await proxy.client.post("/admin/reload")).json())["result"] == "ok"
-    r0 = proxy.runtime.pool.get("r0")
-    assert r0 is not None and r0.limit == 1
-    await wait_for(lambda: len(statuses) > 60)
+    async with SteadyLoad(chat, clients=8) as load:
+        await wait_for(lambda: len(load.statuses) > 20)
+        bad = _write(path, _document(upstream_url, seats=1))
+        assert (await (await proxy.client.post("/admin/reload")).json())["result"] == "ok"
+        r0 = proxy.runtime.pool.get("r0")
+        assert r0 is not None and r0.limit == 1
+        await wait_for(lambda: len(load.statuses) > 60)
 
-    answer = await proxy.client.post("/admin/rollback")
-    assert answer.status == 200
-    body = await answer.json()
-    assert body["result"] == "ok"
-    assert body["running"]["sha256"] == good and body["replaced"]["sha256"] == bad
-    assert [e["sha256"] for e in body["history"]] == [good]
-    assert r0.limit == 4 and proxy.runtime.rules.config.replicas[0].max_concurrency == 4
-    seen = len(statuses)
-    await wait_for(lambda: len(statuses) > seen + 40)
-    stop.set()
-    await asyncio.gather(*workers)
+        answer = await proxy.client.post("/admin/rollback")
+        assert answer.status == 200
+        body = await answer.json()
+        assert body["result"] == "ok"
+        assert body["running"]["sha256"] == good and body["replaced"]["sha256"] == bad
+        assert [e["sha256"] for e in body["history"]] == [good]
+        assert r0.limit == 4 and proxy.runtime.rules.config.replicas[0].max_concurrency == 4
+        seen = len(load.statuses)
+        await wait_for(lambda: len(load.statuses) > seen + 40)
+        await load.stop()
+    statuses = load.statuses
     assert set(statuses) == {200}
 
     text = await (await proxy.client.get("/admin/config")).text()
