@@ -13,6 +13,11 @@ The rules (RFC 3986 section 6.2.2, made strict where readings differ):
   (``%5C``), an encoded control character, a malformed ``%`` escape and an
   empty segment (``//``) are refused, since engines and the servers in front
   of them disagree on what those mean;
+- the one exception is a model id under ``/v1/models/``: Hugging Face names
+  hold a slash (``meta-llama/Llama-3.1-8B``) and the OpenAI client sends
+  ``models.retrieve`` of one as ``%2F``. There the escape is decoded to ``/``
+  (so the proxy and a replica both see the same segments), and the result
+  must still lie under ``/v1/models/``;
 - percent-encoded unreserved characters are decoded (``%2e`` is ``.``,
   ``%61`` is ``a``); other escapes are kept as sent;
 - ``.`` and ``..`` segments are resolved; a ``..`` that would climb above
@@ -40,6 +45,8 @@ _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 #: Escapes that stay refused even when well formed: a slash or a backslash
 #: (a segment boundary some servers see and others do not).
 _REFUSED_ESCAPES = frozenset({"2F", "5C"})
+#: Below this prefix an encoded slash is part of a model id (see the module's rules).
+MODEL_ID_PREFIX = "/v1/models/"
 
 
 def normalise_path(raw: str) -> str:
@@ -65,8 +72,10 @@ def _normalise(raw: str) -> str:
         raise BadRequest("the path holds a character outside visible ASCII")
     if "\\" in raw:
         raise BadRequest("the path holds a backslash")
+    slashes = False
     if "%" in raw:
-        raw = _decode_unreserved(raw)
+        slashes = raw.startswith(MODEL_ID_PREFIX) and "%2F" in raw.upper()
+        raw = _decode_unreserved(raw, slashes=slashes)
     segments = raw.split("/")[1:]
     out: list[str] = []
     for i, segment in enumerate(segments):
@@ -84,16 +93,22 @@ def _normalise(raw: str) -> str:
             raise BadRequest("the path holds an empty segment ('//')")
         else:
             out.append(segment)
-    return "/" + "/".join(out)
+    path = "/" + "/".join(out)
+    if slashes and not path.startswith(MODEL_ID_PREFIX):
+        raise BadRequest("the path climbs out of /v1/models/ with an encoded slash")
+    return path
 
 
-def _decode_unreserved(raw: str) -> str:
-    """Unreserved escapes decoded, others kept; malformed or refused escapes raise."""
+def _decode_unreserved(raw: str, *, slashes: bool = False) -> str:
+    """Unreserved escapes decoded, others kept; malformed or refused escapes raise.
+    With ``slashes`` (a model id's path) ``%2F`` is decoded to ``/``."""
     if raw.count("%") != len(_ESCAPE.findall(raw)):
         raise BadRequest("the path holds a malformed percent escape")
 
     def decode(match: re.Match[str]) -> str:
         code = match["hex"].upper()
+        if slashes and code == "2F":
+            return "/"
         if code in _REFUSED_ESCAPES:
             raise BadRequest("the path holds an encoded slash or backslash")
         char = chr(int(code, 16))

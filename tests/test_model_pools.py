@@ -244,6 +244,32 @@ async def test_one_model_is_answered_by_the_proxy_within_the_tenants_list(
     proxy.assert_idle()
 
 
+async def test_a_model_id_with_a_slash_is_retrieved_by_the_openai_client(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Hugging Face names hold a slash and the openai client sends models.retrieve of one
+    as ``/v1/models/meta-llama%2FLlama-3.1-8B``: the proxy answers it like the unencoded
+    spelling, and an encoded slash that climbs out of /v1/models/ is still a 400."""
+    name = "meta-llama/Llama-3.1-8B"
+    url0, first = await start_replica(aiohttp_server, [name])
+    url1, second = await start_replica(aiohttp_server, ["qwen"])
+    proxy = await start_proxy(pooled_config([url0, url1], [[name], ["qwen"]], tenants=TENANTS))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    async with openai.AsyncOpenAI(
+        base_url=str(proxy.client.make_url("/v1")), api_key=KEY_A, max_retries=0
+    ) as client:
+        assert (await client.models.retrieve(name)).id == name
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("meta-llama/Llama-3.1-70B")
+    for path in (f"/v1/models/{name}", "/v1/models/meta-llama%2fLlama-3.1-8B"):
+        resp = await proxy.client.get(path, headers=AUTH_A)
+        assert resp.status == 200 and (await resp.json())["id"] == name, path
+    resp = await proxy.client.get("/v1/models/a%2F..%2F..%2F..%2Fadmin", headers=AUTH_A)
+    assert resp.status == 400 and resp.headers["X-Admission-Reason"] == "bad_request"
+    assert first.bodies == [] and second.bodies == []
+    proxy.assert_idle()
+
+
 async def test_one_discovered_model_routes_as_without_pools(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:
