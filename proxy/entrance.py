@@ -225,7 +225,7 @@ async def _refusal_limits(
         headers: dict[str, str] = {}
         await _settle(runtime, admitted, exchange, record, headers)
         return {**(admitted.ratelimit or {}), **headers}
-    return await refusal_headers(runtime.token_quotas, runtime.quotas, record.tenant, tenant)
+    return await refusal_headers(runtime.token_quotas, record.rate_take, record.tenant, tenant)
 
 
 async def _admit(
@@ -251,12 +251,14 @@ async def _admit(
     content_length = request.content_length
     if content_length is not None and content_length > max_body:
         raise BodyTooLarge(f"body of {content_length} bytes exceeds {max_body}")
-    wait_s = await runtime.take_rate(tenant)
-    if wait_s > 0:
+    rate = record.rate_take = await runtime.take_rate(tenant)
+    if rate is not None and rate.wait_s > 0:
         if config.mode == "observe":
             record.observed = would(RateLimited.reason)
         else:
-            raise RateLimited(f"tenant {tenant!r} is over its request rate", retry_after_s=wait_s)
+            raise RateLimited(
+                f"tenant {tenant!r} is over its request rate", retry_after_s=rate.wait_s
+            )
     budgets = rules.budgets[tenant]
     arrival = record.arrival
     deadline = Deadline.start(arrival, budgets, client_timeout_ms)
@@ -303,7 +305,7 @@ async def _admit(
     if inference and not seatless and limited:
         try:
             gate = await admit_tokens(
-                runtime.token_quotas, runtime.quotas, tenant, tenant_config, route, doc, body,
+                runtime.token_quotas, rate, tenant, tenant_config, route, doc, body,
                 expected_output, model,
             )  # fmt: skip
         except TokenQuotaExceeded:

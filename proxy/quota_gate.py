@@ -19,7 +19,7 @@ from typing import Any
 from proxy.admitted import BYTES_PER_TOKEN
 from proxy.config_tenants import TenantConfig
 from proxy.errors import TokenQuotaExceeded
-from proxy.quotas import EntranceQuotas
+from proxy.quotas import RateTake
 from proxy.ratelimit_headers import request_headers, token_headers
 from proxy.relay import Relayed
 from proxy.state.quota import QuotaRefused, QuotaRemaining
@@ -41,16 +41,15 @@ class TokenGate:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def _bucket_headers(buckets: EntranceQuotas, tenant: str) -> dict[str, str]:
-    bucket = buckets.bucket(tenant)
-    if bucket is None:
+def _bucket_headers(take: RateTake | None) -> dict[str, str]:
+    if take is None:
         return {}
-    return request_headers(bucket.level(), bucket.burst, bucket.rate)
+    return request_headers(take.level, take.burst, take.rate)
 
 
 async def admit_tokens(
     quotas: TokenQuotas,
-    buckets: EntranceQuotas,
+    rate: RateTake | None,
     tenant: str,
     config: TenantConfig,
     route: str,
@@ -62,9 +61,10 @@ async def admit_tokens(
     """Charge the request's estimate, or raise ``TokenQuotaExceeded``.
 
     ``body`` is what goes upstream (an alias already replaced by
-    ``served_model``); the estimate is taken on it as the client's prompt.
+    ``served_model``); the estimate is taken on it as the client's prompt;
+    ``rate`` is the request's turn at its tenant's bucket.
     """
-    gate = TokenGate(body, headers=_bucket_headers(buckets, tenant))
+    gate = TokenGate(body, headers=_bucket_headers(rate))
     quota = config.token_quota
     limits = limits_of(quota.per_minute, quota.per_day)
     if limits is None:
@@ -109,10 +109,11 @@ async def settle(quotas: TokenQuotas, held: Held, relayed: Relayed | None) -> Qu
 
 
 async def refusal_headers(
-    quotas: TokenQuotas, buckets: EntranceQuotas, tenant: str, config: TenantConfig
+    quotas: TokenQuotas, rate: RateTake | None, tenant: str, config: TenantConfig
 ) -> dict[str, str]:
-    """A refused request's ``x-ratelimit-*`` headers: the tenant's state now."""
-    headers = _bucket_headers(buckets, tenant)
+    """A refused request's ``x-ratelimit-*`` headers: its bucket as its turn left it
+    (None: refused before it), its token quota now."""
+    headers = _bucket_headers(rate)
     limits = limits_of(config.token_quota.per_minute, config.token_quota.per_day)
     if limits is not None:
         headers.update(token_headers(limits, await quotas.remaining(tenant, limits)))

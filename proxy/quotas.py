@@ -11,7 +11,23 @@ the next token: that is the ``Retry-After`` of ``rate_limited``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from proxy.clock import Clock
+
+
+@dataclass(frozen=True, slots=True)
+class RateTake:
+    """One request's turn at its tenant's bucket, local or shared: ``wait_s`` is 0.0 when
+    it took a token, else the seconds until one; ``level`` is the tokens left after it
+    (what ``x-ratelimit-remaining-requests`` says), with the bucket's ``burst`` and
+    ``rate``. The headers come from this, never from a second look at a bucket, so a
+    shared bucket's answer is what the client reads."""
+
+    wait_s: float
+    level: float
+    burst: float
+    rate: float
 
 
 class TokenBucket:
@@ -38,6 +54,11 @@ class TokenBucket:
             self._tokens -= 1.0
             return 0.0
         return (1.0 - self._tokens) / self.rate
+
+    def take(self) -> RateTake:
+        """``try_take`` with the bucket's state after it, for the answer's headers."""
+        wait = self.try_take()
+        return RateTake(wait, self._tokens, self.burst, self.rate)
 
     def level(self) -> float:
         """Tokens in the bucket now (the ``x-ratelimit-remaining-requests`` header)."""
@@ -84,3 +105,8 @@ class EntranceQuotas:
     def try_take(self, tenant: str) -> float:
         bucket = self._buckets.get(tenant)
         return 0.0 if bucket is None else bucket.try_take()
+
+    def take(self, tenant: str) -> RateTake | None:
+        """The tenant's turn at its bucket; None when it has no ``rate_per_s``."""
+        bucket = self._buckets.get(tenant)
+        return None if bucket is None else bucket.take()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.errors import Outcome, ProxyError
+from proxy.quotas import RateTake
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +76,9 @@ class RequestRecord:
     upstream_ms: float | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None
+    #: The request's turn at its tenant's ``rate_per_s`` bucket (None: no rate, or not
+    #: reached): only for the ``x-ratelimit-*-requests`` headers of its answer.
+    rate_take: RateTake | None = None
     #: ``overload``: what was degraded (``max_tokens``), or None.
     degraded: str | None = None
     #: ``mode: observe``: the refusal enforcing would have given (``would_<reason>``), or None.

@@ -22,7 +22,7 @@ from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.estimators import OutputTokens
 from proxy.health import Health
 from proxy.models import ModelTable
-from proxy.quotas import EntranceQuotas
+from proxy.quotas import EntranceQuotas, RateTake
 from proxy.replicas import ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
 from proxy.settings import BudgetsConfig, Config
@@ -176,14 +176,14 @@ class Runtime:
             retry.min_retries_per_s,
         )
 
-    async def take_rate(self, tenant: str) -> float:
-        """The tenant's ``rate_per_s`` bucket (shared with other instances when the state
-        is): 0.0 when a request may pass, else the seconds until it may."""
+    async def take_rate(self, tenant: str) -> RateTake | None:
+        """The tenant's turn at its ``rate_per_s`` bucket (shared with other instances when
+        the state is); None when it has no rate."""
         if self.state is None:
-            return self.quotas.try_take(tenant)
+            return self.quotas.take(tenant)
         config = self.rules.config.tenants.get(tenant)
         if config is None or config.rate_per_s is None:
-            return 0.0
+            return None
         return await self.state.take_rate(tenant, config.rate_per_s, config.effective_burst or 1.0)
 
     async def spend_retry(self) -> float:

@@ -8,7 +8,7 @@ import pytest
 
 from proxy.clock import FakeClock
 from proxy.dispatch import TenantLimits
-from proxy.quotas import EntranceQuotas, TokenBucket
+from proxy.quotas import EntranceQuotas, RateTake, TokenBucket
 from proxy.replicas import Seat
 from proxy.scheduler import Ticket
 from tests.test_dispatch import enqueue, make_dispatcher
@@ -27,6 +27,23 @@ def test_bucket_allows_a_burst_then_the_rate() -> None:
     assert bucket.try_take() == 0.0
     clock.advance(0.1)
     assert bucket.try_take() == pytest.approx(0.15)
+
+
+def test_a_take_says_what_is_left_for_the_headers() -> None:
+    """take() is try_take() with the bucket after it: tokens left, burst and rate (the
+    x-ratelimit-*-requests headers); a tenant without a rate has no bucket to take from."""
+    clock = FakeClock()
+    quotas = EntranceQuotas(clock)
+    quotas.configure({"a": (4.0, 2.0), "b": None})
+    first, second, third = quotas.take("a"), quotas.take("a"), quotas.take("a")
+    assert first == RateTake(0.0, 1.0, 2.0, 4.0)
+    assert second == RateTake(0.0, 0.0, 2.0, 4.0)
+    assert third is not None and third.wait_s == pytest.approx(0.25) and third.level == 0.0
+    clock.advance(0.125)
+    half = quotas.take("a")
+    assert half is not None and half.wait_s == pytest.approx(0.125)
+    assert half.level == pytest.approx(0.5)  # a refusal leaves the refill where it was
+    assert quotas.take("b") is None
 
 
 def test_bucket_never_holds_more_than_its_burst() -> None:

@@ -173,6 +173,39 @@ async def test_a_rate_limit_admits_its_rate_in_total(
         await _stop(proxies)
 
 
+async def test_the_rate_headers_read_the_shared_bucket(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """Tenant c (2/s, burst 4), requests one after another alternating between 2 processes
+    until one is refused (at most 40):
+    x-ratelimit-remaining-requests counts the one shared bucket down (each process's own
+    bucket would say 3 on its first answer, and 4 on every refusal), and a 429 says 0."""
+    proxies = await _start(tmp_path, _config(sim, redis_server), 2)
+    headers = {"Authorization": f"Bearer {KEYS['c']}"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, proxies)
+            answers: list[tuple[int, int, int]] = []
+            async with asyncio.timeout(WAIT_S):
+                for i in range(40):
+                    url = proxies[i % 2].url + CHAT
+                    async with session.post(url, json=_body(1), headers=headers) as resp:
+                        await resp.read()
+                        left = int(resp.headers["x-ratelimit-remaining-requests"])
+                        limit = int(resp.headers["x-ratelimit-limit-requests"])
+                        answers.append((resp.status, left, limit))
+                    if resp.status == 429:
+                        break
+    finally:
+        await _stop(proxies)
+    assert all(limit == 4 for _, _, limit in answers)
+    served = [left for status, left, _ in answers if status == 200]
+    # At 2/s a refill may add a token between two requests: never more than one a step.
+    assert len(served) >= 4 and served[0] == 3 and served[1] <= 3
+    assert all(b <= a + 1 for a, b in itertools.pairwise(served))
+    assert answers[-1][0] == 429 and answers[-1][1] == 0
+
+
 async def _metric(session: aiohttp.ClientSession, proxy: ProxyProcess, name: str) -> float:
     """The sum of the samples of ``name`` (every label set) on ``proxy``'s /metrics."""
     total, seen = 0.0, False

@@ -28,7 +28,7 @@ import structlog
 
 from proxy.clock import Clock
 from proxy.errors import StateUnavailable
-from proxy.quotas import TokenBucket
+from proxy.quotas import RateTake, TokenBucket
 from proxy.settings import StateConfig
 from proxy.state.buckets import SharedBuckets
 from proxy.state.client import StateClient, StateDown
@@ -127,14 +127,14 @@ class SharedState:
 
     # -- the entrance's rate buckets ---------------------------------------------------
 
-    async def take_rate(self, tenant: str, rate_per_s: float, burst: float) -> float:
-        """The tenant's shared bucket: 0.0, or the seconds until a token (its Retry-After)."""
+    async def take_rate(self, tenant: str, rate_per_s: float, burst: float) -> RateTake:
+        """The tenant's turn at its shared bucket (its local share while Redis is down)."""
         try:
-            return await self.buckets.try_take(tenant, rate_per_s, burst)
+            return await self.buckets.take(tenant, rate_per_s, burst)
         except StateDown as down:
             if down.on_failure == "reject":
                 raise unavailable(down) from down
-            return self._local_bucket(tenant, down, rate_per_s, burst).try_take()
+            return self._local_bucket(tenant, down, rate_per_s, burst).take()
 
     def _local_bucket(
         self, tenant: str, down: StateDown, rate_per_s: float, burst: float
