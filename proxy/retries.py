@@ -143,11 +143,13 @@ class RetryBudget:
         requests, _ = self._totals(self._clock.now())
         return self.ratio * requests + self.min_per_s * BUDGET_WINDOW_S
 
-    def try_spend(self) -> bool:
-        """Take one retry from the budget if it has one."""
+    def try_spend(self, min_per_s: float | None = None) -> bool:
+        """Take one retry from the budget if it has one; ``min_per_s`` replaces the floor
+        (this process's share of the fleet's while shared state is down)."""
         now = self._clock.now()
         requests, retries = self._totals(now)
-        if retries + 1 > self.ratio * requests + self.min_per_s * BUDGET_WINDOW_S:
+        floor = self.min_per_s if min_per_s is None else min_per_s
+        if retries + 1 > self.ratio * requests + floor * BUDGET_WINDOW_S:
             return False
         self._retries[self._bucket(now)] += 1
         return True

@@ -191,9 +191,7 @@ class Runtime:
         taken, else the seconds until the budget has one (``Retry-After``)."""
         budget = self.retry_budget
         if self.state is not None:
-            refill = await self.state.try_spend_retry(budget.ratio, budget.min_per_s)
-            if refill is not None:
-                return refill
+            return await self.state.spend_retry(budget)
         return 0.0 if budget.try_spend() else budget.refill_in()
 
     def client_session(self) -> aiohttp.ClientSession:

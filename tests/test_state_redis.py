@@ -21,6 +21,7 @@ from proxy.state.leases import Full, Lease, LeaseStore
 from proxy.state.quota import Charge, QuotaLimits
 from proxy.state.quota_redis import RedisTokenQuotas
 from proxy.state.retry_budget import SharedRetryBudget
+from proxy.state.shared import SharedState
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -228,3 +229,23 @@ async def test_a_quota_charge_made_while_redis_was_down_is_corrected_where_it_wa
         assert (await store.correct(fresh, 120)).day == 1_000 - 120
     finally:
         await client.aclose()
+
+
+async def test_retries_while_redis_is_down_share_the_floor(redis_server: RedisServer) -> None:
+    """Redis down with local_share and 4 instances last seen: a process's retries come from
+    its own budget with a quarter of min_retries_per_s (2/s over the 10 s window: 5, not
+    20); a budget that is out says when it has one again."""
+    redis_server.stop()
+    config = StateConfig(
+        backend="redis", redis_url=redis_server.url, timeout_ms=200, on_failure="local_share"
+    )
+    clock = FakeClock(start=1_000_000.0)
+    state = SharedState(config, clock)
+    state.client.instances = 4
+    budget = RetryBudget(ratio=0.0, min_per_s=2.0, clock=clock)
+    try:
+        spent = [await state.spend_retry(budget) for _ in range(8)]
+    finally:
+        await state.close()
+    assert spent[:5] == [0.0] * 5
+    assert all(wait > 0 for wait in spent[5:])

@@ -29,6 +29,7 @@ import structlog
 from proxy.clock import Clock
 from proxy.errors import StateUnavailable
 from proxy.quotas import RateTake, TokenBucket
+from proxy.retries import RetryBudget
 from proxy.settings import StateConfig
 from proxy.state.buckets import SharedBuckets
 from proxy.state.client import StateClient, StateDown
@@ -153,16 +154,19 @@ class SharedState:
         """A dispatch: counted here, sent to Redis in batches (``REQUEST_COUNT_FLUSH_S``)."""
         self._requests += 1
 
-    async def try_spend_retry(self, ratio: float, min_per_s: float) -> float | None:
-        """0.0: a retry spent from the fleet's budget; > 0: seconds until one; None: Redis is
-        down (the caller falls back to its local budget, or rejects)."""
+    async def spend_retry(self, budget: RetryBudget) -> float:
+        """0.0: a retry spent from the fleet's budget; > 0: seconds until one. While Redis
+        is down (``local_share``) it comes from this process's own ``budget``, which counts
+        its own requests, with its share of the ``min_retries_per_s`` floor: the whole floor
+        in every process would let the fleet retry that many times over."""
         try:
             await self._flush_requests()
-            return await self.retry_budget.try_spend(ratio, min_per_s)
+            return await self.retry_budget.try_spend(budget.ratio, budget.min_per_s)
         except StateDown as down:
             if down.on_failure == "reject":
                 raise unavailable(down) from down
-            return None
+            floor = down.local_share(budget.min_per_s)
+            return 0.0 if budget.try_spend(min_per_s=floor) else budget.refill_in()
 
     async def _flush_requests(self) -> None:
         count, self._requests = self._requests, 0
