@@ -296,7 +296,11 @@ async def test_phases_through_the_proxy(
     config = make_config(
         [s.url for s in phase_sims],
         seats=1,
-        budgets={"queue_ms": 400, "first_byte_ms": 2000, "total_ms": 5000},
+        # A queue budget of seconds, not the requests' tens of milliseconds: on a loaded
+        # machine a request may take several hundred, and a shorter budget would have the
+        # prediction refuse the whole burst at the door (nothing queued, nothing sent to
+        # the faulty replica, so no retries either).
+        budgets={"queue_ms": 1500, "first_byte_ms": 2000, "total_ms": 5000},
         retry={"base_backoff_ms": 5, "max_backoff_ms": 20, "min_retries_per_s": 50},
         health={"interval_ms": 200},
     )
@@ -340,7 +344,7 @@ async def test_phases_through_the_proxy(
     drain = summary.drain
     assert drain.phase == "burst"
     assert drain.drain_s is not None
-    assert 0.0 <= drain.drain_s <= 0.4 + 3.0  # the queue budget plus generous slack
+    assert 0.0 <= drain.drain_s <= 1.5 + 3.0  # the queue budget plus generous slack
 
     paths = write_phases_report(result, tmp_path / "phases")
     assert [p.name for p in paths] == list(PHASES_FILES)
