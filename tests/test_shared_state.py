@@ -29,6 +29,8 @@ KEYS = {"a": "sk-shared-a", "b": "sk-shared-b", "c": "sk-shared-c"}
 #: Replica seats; the simulator has far more slots, so only the proxies bound it.
 SEATS = 4
 CAP_A = 3
+#: Failed Redis calls of a process (a timed-out one switches it to its local share).
+ERRORS = "admission_state_errors_total"
 #: Bound on each wait in these tests (2 cores shared by many: generous).
 WAIT_S = 20.0
 
@@ -295,6 +297,7 @@ async def test_redis_restarted_mid_run(
                 for proxy in proxies:
                     while await _metric(session, proxy, "admission_state_up") != 1:
                         await asyncio.sleep(0.05)
+            failed_before = [await _metric(session, p, ERRORS) for p in proxies[:2]]
             again = asyncio.create_task(_burst(session, urls[:2], "b", 24, tokens=12))
             seen: list[int] = []
             async with asyncio.timeout(WAIT_S):
@@ -302,7 +305,11 @@ async def test_redis_restarted_mid_run(
                     seen.append((await _stats(session, sim))["running"])
                     await asyncio.sleep(0.005)
             assert await again == [200] * 24
-            assert max(seen) == SEATS
+            failed = [await _metric(session, p, ERRORS) for p in proxies[:2]]
+            if failed == failed_before:
+                assert max(seen) == SEATS
+            else:  # a call timed out on a starved machine: that process ran on its share
+                assert max(seen) <= SEATS + 1, (failed_before, failed)
     finally:
         await _stop(proxies)
 
