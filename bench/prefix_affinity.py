@@ -20,7 +20,9 @@ Two scenarios, each run under both policies:
 
 - ``uniform``: every session sends a turn every interval (``PACE``);
 - ``hot``: session 0 sends ten times as often as the others (bounded load:
-  its replica must not become the fleet's tail).
+  its replica must not become the fleet's tail), 6 turns each for the others
+  and 60 for session 0, which starts a new conversation under its system
+  prompt every 30 turns: 102 requests, so the p99 is not just the slowest.
 
 Reported per run: TTFT p50/p99 and total p50 (client side, streamed, the first
 content token), completed requests per second, and the engines' own counters:
@@ -29,7 +31,8 @@ prompt tokens computed and prompt tokens read from the cache
 n/a where a build does not expose them) beside the per-response
 ``usage.prompt_tokens_details.cached_tokens`` sums. Targets: affinity TTFT
 p50 at most 0.5x least-loaded's in ``uniform``; affinity TTFT p99 no worse
-than least-loaded's in ``hot``.
+than least-loaded's in ``hot``, with a 95% paired-bootstrap interval for
+that ratio (``--combine A.json B.json`` pools the hot runs of several files).
 
     .venv/bin/python -m bench.prefix_affinity [--model tiny|knee] [--quick] [--output PATH]
 """
