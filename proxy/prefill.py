@@ -15,8 +15,13 @@ hold for its key: the cost of the last request with the same key that ended
 there, since the engine caches that prompt and its answer and the next turn's
 prompt repeats both. A request still in flight warms nothing (an engine reuses
 a prefix only once it is computed), so two concurrent requests of a new key
-are both cold. A request counts its work until its seat is given back,
-decoding included.
+are both cold; and while a request of the key runs on a replica, the key
+counts as cold there too: llama.cpp keeps a prompt in one slot, and a turn
+that arrives while that slot still serves the previous one is computed in
+full (in the benchmark such turns piled up cold on the hot session's home).
+An engine whose cache is shared between requests (vLLM, SGLang) is then
+overestimated, which only spreads a busy key sooner. A request counts its
+work until its seat is given back, decoding included.
 
 These are estimates the proxy makes without asking the engine: a prompt the
 engine has evicted still counts as warm, and a shorter prompt of a known key
@@ -60,7 +65,7 @@ class PrefillLedger:
     60.0
     """
 
-    __slots__ = ("_count", "_pending", "_placed", "_warm", "max_keys")
+    __slots__ = ("_busy", "_count", "_pending", "_placed", "_warm", "max_keys")
 
     def __init__(self, max_keys: int = DEFAULT_MAX_KEYS) -> None:
         self.max_keys = max_keys
@@ -68,6 +73,8 @@ class PrefillLedger:
         self._placed: dict[object, _Placement] = {}
         self._pending: dict[str, float] = {}
         self._count: dict[str, int] = {}
+        #: (key, replica) -> requests of that key in flight there.
+        self._busy: dict[tuple[AffinityKey, str], int] = {}
         #: Key -> replica -> cost of the last request of that key that ended there.
         self._warm: OrderedDict[AffinityKey, dict[str, float]] = OrderedDict()
 
@@ -80,6 +87,8 @@ class PrefillLedger:
 
     def work(self, key: AffinityKey, cost: float, replica: str) -> float:
         """What a request of ``key`` costing ``cost`` adds to ``replica``'s prompt work."""
+        if (key, replica) in self._busy:
+            return max(cost, MIN_WORK)  # its cached copy is in use
         cached = self._warm.get(key, {}).get(replica, 0.0)
         return max(cost - cached, MIN_WORK)
 
@@ -97,6 +106,8 @@ class PrefillLedger:
         self._placed[seat] = placement
         self._pending[replica] = self._pending.get(replica, 0.0) + placement.work
         self._count[replica] = self._count.get(replica, 0) + 1
+        busy = (key, replica)
+        self._busy[busy] = self._busy.get(busy, 0) + 1
 
     def ended(self, seat: object, *, warmed: bool = True) -> None:
         """``seat`` was given back (idempotent; an unknown seat is ignored). With
@@ -106,6 +117,11 @@ class PrefillLedger:
         if placement is None:
             return
         name = placement.replica
+        busy = (placement.key, name)
+        if self._busy[busy] > 1:
+            self._busy[busy] -= 1
+        else:
+            del self._busy[busy]
         left = self._count[name] - 1
         if left:
             self._count[name] = left

@@ -537,36 +537,41 @@ async def test_a_hot_session_spills_once_and_keeps_its_second_replica() -> None:
     dispatcher.finish(turn1, turn1.seat)
     dispatcher.finish(turn2, turn2.seat)
     s1 = start(dispatcher, clock, s, 1900.0)
-    turns = [start(dispatcher, clock, hot, 2120.0 + 60.0 * i) for i in range(3)]
-    t1 = start(dispatcher, clock, t, 1950.0)
     assert replica_of(s1) == "r0"
-    assert [replica_of(turn) for turn in turns] == ["r1", "r1", "r1"]
-    assert replica_of(t1) == "r1"
-    for ticket in (s1, *turns, t1):
+    for i in range(3):
+        turn = start(dispatcher, clock, hot, 2120.0 + 60.0 * i)
+        assert replica_of(turn) == "r1"
+        dispatcher.finish(turn, turn.seat)
+    running = start(dispatcher, clock, hot, 2300.0)
+    t1 = start(dispatcher, clock, t, 1950.0)
+    assert (replica_of(running), replica_of(t1)) == ("r1", "r1")
+    for ticket in (s1, running, t1):
         dispatcher.finish(ticket, ticket.seat)
     assert repr(dispatcher.seats.affinity.ledger) == (
         "<PrefillLedger 0 in flight, 0 tokens pending, 3 keys warm>"
     )
     # Everyone idle: S and T go home; H stays on r1, which holds more of its history
-    # (160 tokens to compute there, 400 on r0, where turn 1 was the last to end).
+    # (100 tokens to compute there, 400 on r0, where turn 1 was the last to end).
     homes = [start(dispatcher, clock, key, 2400.0) for key in (hot, s, t)]
     assert [replica_of(ticket) for ticket in homes] == ["r1", "r0", "r1"]
     for ticket in homes:
         dispatcher.finish(ticket, ticket.seat)
 
 
-async def test_cached_turns_of_a_key_stay_home_together() -> None:
-    """Once a key is cached on its home, four of its turns in flight at once all run
-    there (60 tokens of work each); counted in requests, the bound spilled the third to
-    the other replica, where its 2,000-token prompt ran cold."""
+async def test_a_turn_arriving_while_the_last_one_runs_counts_cold() -> None:
+    """H is cached on r0, where S's cold prefill and H's turn 1 run: turn 2 counts its
+    whole prompt on r0 (the slot with H's prompt is busy) and goes to r1. Counted as
+    cached, it stayed on r0 and turns piled up cold there."""
     clock = FakeClock()
     dispatcher = affinity_dispatcher(clock, replicas=2, seats=6)
-    (key,) = homed(dispatcher, "r0")
-    first = start(dispatcher, clock, key, 2000.0)
+    hot, s = homed(dispatcher, "r0", 2)
+    first = start(dispatcher, clock, hot, 2000.0)
     dispatcher.finish(first, first.seat)
-    turns = [start(dispatcher, clock, key, 2060.0) for _ in range(4)]
-    assert [replica_of(turn) for turn in turns] == ["r0"] * 4
-    for ticket in turns:
+    s1 = start(dispatcher, clock, s, 1900.0)
+    turn1 = start(dispatcher, clock, hot, 2060.0)
+    turn2 = start(dispatcher, clock, hot, 2120.0)
+    assert [replica_of(x) for x in (s1, turn1, turn2)] == ["r0", "r0", "r1"]
+    for ticket in (s1, turn1, turn2):
         dispatcher.finish(ticket, ticket.seat)
 
 

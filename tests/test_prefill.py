@@ -46,6 +46,24 @@ def test_a_request_in_flight_warms_nothing() -> None:
     assert ledger.count("a") == 2
 
 
+def test_a_key_running_on_a_replica_is_cold_there() -> None:
+    """Warm on a, but a request of the key still runs there: the next one counts in
+    full on a (llama.cpp's slot holding the prompt is busy), cached again once the
+    running one ends; another replica's warmth is unaffected."""
+    ledger = PrefillLedger()
+    for replica in ("a", "b"):
+        seat = _Seat()
+        ledger.started(seat, replica, KEY, 2000.0)
+        ledger.ended(seat)
+    running = _Seat()
+    ledger.started(running, "a", KEY, 2060.0)
+    assert ledger.pending("a") == 60.0
+    assert ledger.work(KEY, 2120.0, "a") == 2120.0
+    assert ledger.work(KEY, 2120.0, "b") == 120.0
+    ledger.ended(running)
+    assert ledger.work(KEY, 2120.0, "a") == 60.0
+
+
 def test_pending_work_goes_back_to_zero() -> None:
     """Work pending per replica is the sum of its placed requests' work; it returns to
     exactly zero when they end, and ending a seat twice (or an unknown one) changes
