@@ -20,7 +20,9 @@ Two scenarios, each run under both policies:
 
 - ``uniform``: every session sends a turn every interval (``PACE``);
 - ``hot``: session 0 sends ten times as often as the others (bounded load:
-  its replica must not become the fleet's tail).
+  its replica must not become the fleet's tail), 6 turns each for the others
+  and 60 for session 0, which starts a new conversation under its system
+  prompt every 30 turns: 102 requests, so the p99 is not just the slowest.
 
 Reported per run: TTFT p50/p99 and total p50 (client side, streamed, the first
 content token), completed requests per second, and the engines' own counters:
@@ -29,7 +31,8 @@ prompt tokens computed and prompt tokens read from the cache
 n/a where a build does not expose them) beside the per-response
 ``usage.prompt_tokens_details.cached_tokens`` sums. Targets: affinity TTFT
 p50 at most 0.5x least-loaded's in ``uniform``; affinity TTFT p99 no worse
-than least-loaded's in ``hot``.
+than least-loaded's in ``hot``, with a 95% paired-bootstrap interval for
+that ratio (``--combine A.json B.json`` pools the hot runs of several files).
 
     .venv/bin/python -m bench.prefix_affinity [--model tiny|knee] [--quick] [--output PATH]
 """
@@ -101,6 +104,14 @@ VOCABULARY = (
 #: model, one thread). The hot session's turns are ``HOT_FACTOR`` times as frequent.
 PACE = {"tiny": (2.0, 6), "knee": (16.0, 4)}
 HOT_FACTOR = 10
+#: Turns of the other sessions in ``hot`` (the hot one sends ``HOT_FACTOR`` times as
+#: many): 102 requests, so that the p99 is not simply the slowest one.
+HOT_TURNS = 6
+#: The hot session starts a new conversation (same system prompt) every this many
+#: turns, so its prompt stays within a slot's 4,096 tokens.
+HOT_HISTORY = 30
+#: Resamples for the bootstrap interval of the hot p99 ratio.
+BOOTSTRAP_RESAMPLES = 2000
 MAX_TOKENS = 8
 #: A request that has not ended by then is cut (counted, never waited on longer).
 REQUEST_DEADLINE_S = 60.0
@@ -137,14 +148,19 @@ def system_prompt(session: int) -> str:
 
 
 def messages(session: int, turn: int) -> list[dict[str, str]]:
-    """The conversation up to ``turn``: canned history, so every run sends the same bytes."""
+    """The conversation up to ``turn``: canned history, so every run sends the same bytes.
+
+    From turn ``HOT_HISTORY`` on (the hot session only) a new conversation starts
+    every ``HOT_HISTORY`` turns, under the same system prompt."""
+    conversation, turn = divmod(turn, HOT_HISTORY)
+    lead = f"Conversation {conversation}. " if conversation else ""
     out = [{"role": "system", "content": system_prompt(session)}]
     for earlier in range(turn):
         out.append(
-            {"role": "user", "content": f"Question {earlier}: tell me about item {earlier}."}
+            {"role": "user", "content": f"{lead}Question {earlier}: tell me about item {earlier}."}
         )
         out.append({"role": "assistant", "content": f"Item {earlier} is a short canned answer."})
-    out.append({"role": "user", "content": f"Question {turn}: tell me about item {turn}."})
+    out.append({"role": "user", "content": f"{lead}Question {turn}: tell me about item {turn}."})
     return out
 
 
@@ -167,7 +183,7 @@ def _session_turns(
         yield Turn(start_s + turn * interval_s + rng.uniform(0.0, 0.1 * interval_s), session, turn)
 
 
-def scenarios(turns: int, interval_s: float) -> list[Scenario]:
+def scenarios(turns: int, interval_s: float, hot_turns: int = HOT_TURNS) -> list[Scenario]:
     """Both scenarios' arrivals, from fixed seeds: every policy sees the same ones."""
     rng = random.Random(15)
     uniform = [
@@ -177,11 +193,11 @@ def scenarios(turns: int, interval_s: float) -> list[Scenario]:
     ]
     rng = random.Random(16)
     hot_interval = interval_s / HOT_FACTOR
-    hot = list(_session_turns(rng, 0, 0.0, hot_interval, turns * HOT_FACTOR))
+    hot = list(_session_turns(rng, 0, 0.0, hot_interval, hot_turns * HOT_FACTOR))
     hot += [
         t
         for s in range(1, SESSIONS)
-        for t in _session_turns(rng, s, s * interval_s / SESSIONS, interval_s, turns)
+        for t in _session_turns(rng, s, s * interval_s / SESSIONS, interval_s, hot_turns)
     ]
     return [
         Scenario(
@@ -191,8 +207,9 @@ def scenarios(turns: int, interval_s: float) -> list[Scenario]:
         ),
         Scenario(
             "hot",
-            f"session 0 a turn every {hot_interval:g} s ({turns * HOT_FACTOR} turns), "
-            f"the other {SESSIONS - 1} every {interval_s:g} s ({turns} turns)",
+            f"session 0 a turn every {hot_interval:g} s ({hot_turns * HOT_FACTOR} turns, a new "
+            f"conversation every {HOT_HISTORY}), the other {SESSIONS - 1} every "
+            f"{interval_s:g} s ({hot_turns} turns)",
             tuple(sorted(hot, key=lambda t: t.due_s)),
         ),
     ]
@@ -516,6 +533,54 @@ def verdicts(
     ]  # fmt: skip
 
 
+def paired_ttfts(by_policy: dict[str, dict[str, Any]]) -> list[tuple[float, float]]:
+    """(least-loaded, affinity) TTFT in ms of each request both runs answered: both
+    policies were sent the same arrivals, so a (session, turn) names the same request."""
+    ttfts = [
+        {(o["session"], o["turn"]): o["ttft_ms"] for o in by_policy[p]["outcomes"] if o["ttft_ms"]}
+        for p in POLICIES
+    ]
+    return [(ttfts[0][k], ttfts[1][k]) for k in sorted(ttfts[0].keys() & ttfts[1].keys())]
+
+
+def bootstrap_ratio(
+    pairs: Sequence[tuple[float, float]], q: float = 0.99, resamples: int = BOOTSTRAP_RESAMPLES
+) -> tuple[float, float, float] | None:
+    """Affinity's TTFT ``q``-quantile over least-loaded's, with a 95% percentile-bootstrap
+    interval; requests are resampled as pairs (the same arrival under both policies)."""
+    if not pairs:
+        return None
+
+    def ratio(sample: Sequence[tuple[float, float]]) -> float:
+        ll = percentile(sorted(a for a, _ in sample), q)
+        pa = percentile(sorted(b for _, b in sample), q)
+        return pa / ll
+
+    rng = random.Random(15)
+    n = len(pairs)
+    stats = sorted(ratio([pairs[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    return ratio(pairs), stats[int(0.025 * resamples)], stats[int(0.975 * resamples) - 1]
+
+
+def _interval_line(label: str, pairs: Sequence[tuple[float, float]]) -> str:
+    found = bootstrap_ratio(pairs)
+    if found is None:
+        return f"{label}: n/a"
+    point, low, high = found
+    return f"{label}: {point:.3f} (95% bootstrap {low:.3f}-{high:.3f}, {len(pairs)} requests)"
+
+
+def combine(paths: Sequence[Path]) -> int:
+    """The hot p99 ratio pooled over several result files (``--combine``)."""
+    pairs: list[tuple[float, float]] = []
+    for path in paths:
+        found = paired_ttfts(json.loads(path.read_text())["runs"]["hot"])
+        print(_interval_line(f"{path.name}: hot TTFT p99 ratio", found))
+        pairs += found
+    print(_interval_line("pooled: hot TTFT p99 ratio", pairs))
+    return 0
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         engine = ensure()
@@ -524,10 +589,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     model = engine.knee_model if args.model == "knee" else engine.model
     interval_s, turns = PACE[args.model]
     turns = 3 if args.quick else turns
+    hot_turns = 3 if args.quick else HOT_TURNS
     print(cpu_line(), flush=True)
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-prefix-affinity-") as tmp:
-        for scenario in scenarios(turns, interval_s):
+        for scenario in scenarios(turns, interval_s, hot_turns):
             if args.only and scenario.name != args.only:
                 continue
             runs[scenario.name] = {}
@@ -554,10 +620,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "interval_s": interval_s,
             "hot_factor": HOT_FACTOR,
             "turns": turns,
+            "hot_turns": hot_turns,
+            "hot_history": HOT_HISTORY,
             "max_tokens": MAX_TOKENS,
             "engine_cache": "slots only (--cache-ram 0)",
         },
-        "scenarios": {s.name: s.description for s in scenarios(turns, interval_s)},
+        "scenarios": {s.name: s.description for s in scenarios(turns, interval_s, hot_turns)},
+        "hot_p99_ratio_bootstrap": (
+            bootstrap_ratio(paired_ttfts(runs["hot"])) if "hot" in runs else None
+        ),
         "runs": runs,
         "verdicts": [
             {"name": n, "value": v, "target": t, "passed": p} for n, v, t, p in verdicts(runs)
@@ -571,7 +642,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 turns per session (a smoke run)")
     parser.add_argument("--only", choices=("uniform", "hot"), help="run one scenario")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
+    parser.add_argument(
+        "--combine", type=Path, nargs="+", metavar="JSON",
+        help="run nothing: pool the hot runs of these result files for the p99 ratio's interval",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.combine:
+        return combine(args.combine)
     if args.quick and args.output == RESULTS:
         args.output = RESULTS.with_name("prefix_affinity_quick.json")
     result = uvloop.run(main_async(args))
@@ -580,6 +657,8 @@ def main() -> int:
     for name, value, target, passed in verdicts(result["runs"]):
         verdict = "n/a" if passed is None else ("PASS" if passed else "MISS")
         print(f"{name}: {_fmt(value, 3)} (wanted {target}) {verdict}")
+    if "hot" in result["runs"]:
+        print(_interval_line("hot TTFT p99 ratio", paired_ttfts(result["runs"]["hot"])))
     write_results(args.output, result)
     print(f"written to {args.output}")
     return 0

@@ -13,8 +13,13 @@ Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018):
   scale-out or an ejection does not cold-start every cache;
 - a hot key (one popular system prompt) cannot pile onto one replica: a
   replica whose load after taking the request would exceed
-  ``ceil(max_load_factor * mean load)`` is skipped for the next one on the
-  ring, so the maximum load stays within that bound;
+  ``max_load_factor`` times the pool's mean load (each replica's load
+  counted as if it took the request) is skipped for the next one on the
+  ring. The load is weighted: the caller passes each replica's pending
+  prompt work and the request's own work on each (``prefill.py``: small
+  where its prefix is cached, its whole prompt where not), so a replica busy
+  with a cold prefill is loaded while one running cached turns is not, and a
+  spill to a replica where the prompt is cold is counted at its full price;
 - a replica the caller cannot use (ejected, draining, no free seat) is
   skipped the same way; when none fits, ``choose`` returns ``None`` and the
   caller falls back to least-loaded.
@@ -27,7 +32,6 @@ here stores prompt text or header values. No I/O; the caller owns the ring
 from __future__ import annotations
 
 import hashlib
-import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NewType
@@ -164,26 +168,30 @@ class HashRing:
     def choose(
         self,
         key: AffinityKey,
-        load: Mapping[str, int],
+        load: Mapping[str, float],
         *,
         eligible: Callable[[str], bool] | None = None,
         max_load_factor: float = 1.25,
+        work: Callable[[str], float] | None = None,
     ) -> str | None:
         """The first eligible replica from ``key`` whose load stays within the bound.
 
-        ``load`` is each replica's in-flight count (missing: 0). The bound is
-        ``ceil(max_load_factor * (total + 1) / n)`` over the ``n`` eligible
-        replicas, the new request counted; a replica fits when its load plus
-        one is within it. With ``max_load_factor >= 1`` some eligible replica
-        always fits, so ``None`` means none is eligible.
+        ``load`` is each replica's load now (missing: 0) and ``work(name)`` what
+        the request adds there (default 1: loads are request counts). A replica
+        fits when ``load + work`` is at most ``max_load_factor`` times the mean of
+        ``load + work`` over the eligible replicas. The least of those always
+        fits (it is at most the mean), so with ``max_load_factor >= 1`` ``None``
+        means none is eligible. With request counts the chosen replica's count,
+        the request included, stays within ``max_load_factor * (mean + 1)``.
         """
         usable = [name for name in self.names if eligible is None or eligible(name)]
         if not usable:
             return None
-        total = sum(load.get(name, 0) for name in usable)
-        bound = math.ceil(max_load_factor * (total + 1) / len(usable) - 1e-9)
-        allowed = set(usable)
+        after = {
+            name: load.get(name, 0.0) + (1.0 if work is None else work(name)) for name in usable
+        }
+        bound = max_load_factor * sum(after.values()) / len(usable) * (1.0 + 1e-9)
         for name in self.walk(key):
-            if name in allowed and load.get(name, 0) + 1 <= bound:
+            if name in after and after[name] <= bound:
                 return name
         return None

@@ -200,7 +200,7 @@ class Dispatcher:
             raise admission.shutting_down()
         now = self._clock.now()
         expires_at = deadline.queue_expires_at(now)
-        replica = self._replica_for_immediate_start(tenant, model, affinity)
+        replica = self._replica_for_immediate_start(tenant, model, affinity, cost)
         headroom = False
         if replica is None:
             replica = self._headroom_for(tenant, priority, now, model)
@@ -334,6 +334,7 @@ class Dispatcher:
             self.scheduler.set_blocked(ticket.tenant, False)
         ticket.seat, ticket.granted_at = None, None
         seat.released = True
+        self.seats.affinity.ended(seat, warmed=False)
         self.pool.free(seat.replica)
 
     def _requeue(self, ticket: Ticket) -> None:
@@ -403,6 +404,7 @@ class Dispatcher:
         if seat.released:
             return
         seat.released = True
+        self.seats.affinity.ended(seat)
         lease, seat.lease = seat.lease, None
         if delay_s > 0:
             asyncio.get_running_loop().call_later(delay_s, self._free, seat.replica, lease)
@@ -498,7 +500,7 @@ class Dispatcher:
             if ticket.expires_at <= now:
                 self._fail(ticket, self._expiry(ticket, now))
                 continue
-            replica = self.seats.choose(model, ticket.affinity)
+            replica = self.seats.choose(model, ticket.affinity, ticket.cost)
             assert replica is not None  # a seat of the pool was free above
             self._grant(ticket, self.pool.lease(replica), now)
             return True
@@ -508,6 +510,8 @@ class Dispatcher:
             ticket.timer.cancel()
         ticket.granted_at = now
         ticket.seat = seat
+        if ticket.affinity is not None:
+            self.seats.affinity.started(seat, ticket.affinity, ticket.cost)
         if ticket.observed != OBSERVED_OVERLOAD:  # counted as a refusal already
             self.pressure.waited(ticket.priority, now - ticket.enqueued_at,
                                  ticket.expires_at - ticket.enqueued_at)  # fmt: skip
@@ -534,13 +538,13 @@ class Dispatcher:
         return self._inflight.get(tenant, 0) >= cap or tenant in self._shared_blocked
 
     def _replica_for_immediate_start(
-        self, tenant: str, model: str | None, affinity: int | None
+        self, tenant: str, model: str | None, affinity: int | None, cost: float
     ) -> Replica | None:
         """A free replica when the ticket may skip the queue: nobody waits in its pool,
         under its cap."""
         if self.scheduler.depth_of_model(model) or self._reseating or self._at_cap(tenant):
             return None
-        return self.seats.choose(model, affinity)
+        return self.seats.choose(model, affinity, cost)
 
     def _headroom_for(
         self, tenant: str, priority: str, now: float, model: str | None

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping
 
 from proxy.affinity import AffinityKey, HashRing
 from proxy.models import ModelTable
-from proxy.replicas import Replica, ReplicaPool
+from proxy.prefill import PrefillLedger
+from proxy.replicas import Replica, ReplicaPool, Seat
 from proxy.scheduler import Scheduler, Ticket
 
 
@@ -129,22 +130,33 @@ class AffinityRouter:
     One ``HashRing`` per pool membership (every replica of the pool, serving
     or not, so an ejection moves only that replica's keys), built on first
     use. Only replicas with a free seat are eligible, and the bound of
-    ``max_load_factor`` times the mean in-flight count over them spills a hot
-    key to the next replica on the ring; ``None`` sends the caller to
-    least-loaded.
+    ``max_load_factor`` times the mean load over them spills a hot key to the
+    next replica on the ring; ``None`` sends the caller to least-loaded. The
+    load is the uncached prompt work in flight (``PrefillLedger``, fed by the
+    dispatcher as seats are granted and given back); a request in flight that
+    the ledger did not place (a retry, a request without a key) counts as a
+    cold one the size of the request being placed.
     """
 
-    __slots__ = ("_rings", "max_load_factor")
+    __slots__ = ("_rings", "ledger", "max_load_factor")
 
     #: Rings kept at most; memberships change rarely (discovery, reload).
     MAX_RINGS = 64
 
     def __init__(self, max_load_factor: float = 1.25) -> None:
         self.max_load_factor = max_load_factor
+        self.ledger = PrefillLedger()
         self._rings: dict[frozenset[str], HashRing] = {}
 
+    def __repr__(self) -> str:
+        return f"<AffinityRouter {len(self._rings)} rings, {self.ledger!r}>"
+
     def choose(
-        self, replicas: Iterable[Replica], members: frozenset[str] | None, key: AffinityKey
+        self,
+        replicas: Iterable[Replica],
+        members: frozenset[str] | None,
+        key: AffinityKey,
+        cost: float = 1.0,
     ) -> Replica | None:
         by_name: dict[str, Replica] = {
             r.name: r for r in replicas if members is None or r.name in members
@@ -155,13 +167,27 @@ class AffinityRouter:
             if len(self._rings) >= self.MAX_RINGS:
                 self._rings.clear()
             ring = self._rings[names] = HashRing(names)
+        ledger = self.ledger
+        load = {
+            name: ledger.pending(name) + max(0, r.inflight - ledger.count(name)) * cost
+            for name, r in by_name.items()
+        }
         chosen = ring.choose(
             key,
-            {name: r.inflight for name, r in by_name.items()},
+            load,
             eligible=lambda name: by_name[name].has_free_seat,
             max_load_factor=self.max_load_factor,
+            work=lambda name: ledger.work(key, cost, name),
         )
         return None if chosen is None else by_name[chosen]
+
+    def started(self, seat: Seat, key: int, cost: float) -> None:
+        """A ticket of ``key`` got ``seat``: its prompt work is pending on that replica."""
+        self.ledger.started(seat, seat.replica.name, AffinityKey(key), cost)
+
+    def ended(self, seat: Seat, *, warmed: bool = True) -> None:
+        """``seat`` is given back: its work is done (``warmed``: its prompt is cached there)."""
+        self.ledger.ended(seat, warmed=warmed)
 
 
 class PoolSeats:
@@ -188,12 +214,13 @@ class PoolSeats:
         """The least-loaded replica of the pool with a free (or headroom) seat."""
         return self.pool.choose(headroom=headroom, among=self.members(model))
 
-    def choose(self, model: str | None, affinity: int | None) -> Replica | None:
+    def choose(self, model: str | None, affinity: int | None, cost: float = 1.0) -> Replica | None:
         """The replica for a ticket: by its affinity key on the ring when it has one
-        and a replica fits the bound, else the least loaded."""
+        and a replica fits the bound, else the least loaded. ``cost``: the ticket's
+        estimate, the prompt work it brings where its prefix is not cached."""
         members = self.members(model)
         if affinity is not None:
-            replica = self.affinity.choose(self.pool.replicas, members, AffinityKey(affinity))
+            replica = self.affinity.choose(self.pool.replicas, members, AffinityKey(affinity), cost)
             if replica is not None:
                 return replica
         return self.pool.choose(among=members)

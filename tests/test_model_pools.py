@@ -478,9 +478,9 @@ def affinity_dispatcher(clock: FakeClock, replicas: int = 4, seats: int = 4) -> 
     return Dispatcher(pool, FairScheduler({"standard": 1.0}), clock, limits)
 
 
-def start(dispatcher: Dispatcher, clock: FakeClock, key: int | None) -> Ticket:
+def start(dispatcher: Dispatcher, clock: FakeClock, key: int | None, cost: float = 1.0) -> Ticket:
     deadline = Deadline.start(clock.now(), BUDGETS)
-    return dispatcher.enqueue_in(None, "t", "standard", 1.0, deadline, affinity=key)
+    return dispatcher.enqueue_in(None, "t", "standard", cost, deadline, affinity=key)
 
 
 def replica_of(ticket: Ticket) -> str:
@@ -536,6 +536,91 @@ async def test_an_unusable_preferred_replica_falls_back() -> None:
     assert {replica_of(second), replica_of(third)} == {r.name for r in dispatcher.pool.replicas}
     dispatcher.finish(second, second.seat)
     dispatcher.finish(third, third.seat)
+
+
+def homed(dispatcher: Dispatcher, home: str, count: int = 1) -> list[int]:
+    """``count`` keys whose preferred replica on the ring is ``home``."""
+    ring = HashRing(r.name for r in dispatcher.pool.replicas)
+    keys = (k * 0x9E3779B97F4A7C15 % 2**64 for k in range(1, 1000))
+    return [k for k in keys if next(ring.walk(AffinityKey(k))) == home][:count]
+
+
+async def test_a_hot_session_spills_once_and_keeps_its_second_replica() -> None:
+    """Two replicas; a hot session H and a session S homed on r0, a session T homed on
+    r1 (costs: prompt tokens, each turn 60 more). H's turn 2 arrives while turn 1's cold
+    prefill runs on r0: it spills to r1 (counted in requests, 1 against 0, it stayed and
+    the two prefills shared r0). Both end: H is cached on both. While S's cold first turn
+    runs on r0, H's next turns go to r1, where they are cached, and T, cold, still goes
+    home to r1 beside them; S stays on r0. Idle again, H keeps to r1, the replica
+    whose cache holds the most of its conversation."""
+    clock = FakeClock()
+    dispatcher = affinity_dispatcher(clock, replicas=2, seats=6)
+    hot, s = homed(dispatcher, "r0", 2)
+    (t,) = homed(dispatcher, "r1")
+    turn1 = start(dispatcher, clock, hot, 2000.0)
+    turn2 = start(dispatcher, clock, hot, 2060.0)
+    assert (replica_of(turn1), replica_of(turn2)) == ("r0", "r1")
+    dispatcher.finish(turn1, turn1.seat)
+    dispatcher.finish(turn2, turn2.seat)
+    s1 = start(dispatcher, clock, s, 1900.0)
+    assert replica_of(s1) == "r0"
+    for i in range(3):
+        turn = start(dispatcher, clock, hot, 2120.0 + 60.0 * i)
+        assert replica_of(turn) == "r1"
+        dispatcher.finish(turn, turn.seat)
+    running = start(dispatcher, clock, hot, 2300.0)
+    t1 = start(dispatcher, clock, t, 1950.0)
+    assert (replica_of(running), replica_of(t1)) == ("r1", "r1")
+    for ticket in (s1, running, t1):
+        dispatcher.finish(ticket, ticket.seat)
+    assert repr(dispatcher.seats.affinity.ledger) == (
+        "<PrefillLedger 0 in flight, 0 tokens pending, 3 keys warm>"
+    )
+    # Everyone idle: S and T go home; H stays on r1, which holds more of its history
+    # (100 tokens to compute there, 400 on r0, where turn 1 was the last to end).
+    homes = [start(dispatcher, clock, key, 2400.0) for key in (hot, s, t)]
+    assert [replica_of(ticket) for ticket in homes] == ["r1", "r0", "r1"]
+    for ticket in homes:
+        dispatcher.finish(ticket, ticket.seat)
+
+
+async def test_a_turn_arriving_while_the_last_one_runs_counts_cold() -> None:
+    """H is cached on r0, where S's cold prefill and H's turn 1 run: turn 2 counts its
+    whole prompt on r0 (the slot with H's prompt is busy) and goes to r1. Counted as
+    cached, it stayed on r0 and turns piled up cold there."""
+    clock = FakeClock()
+    dispatcher = affinity_dispatcher(clock, replicas=2, seats=6)
+    hot, s = homed(dispatcher, "r0", 2)
+    first = start(dispatcher, clock, hot, 2000.0)
+    dispatcher.finish(first, first.seat)
+    s1 = start(dispatcher, clock, s, 1900.0)
+    turn1 = start(dispatcher, clock, hot, 2060.0)
+    turn2 = start(dispatcher, clock, hot, 2120.0)
+    assert [replica_of(x) for x in (s1, turn1, turn2)] == ["r0", "r0", "r1"]
+    for ticket in (s1, turn1, turn2):
+        dispatcher.finish(ticket, ticket.seat)
+
+
+async def test_a_ticket_granted_from_the_queue_counts_its_prompt_work() -> None:
+    """Every seat taken, a cold ticket queues; granted when r1 frees, its whole cost is
+    pending work on r1 (its key never ran there), and nothing is left once all end."""
+    clock = FakeClock()
+    dispatcher = affinity_dispatcher(clock, replicas=2, seats=1)
+    ledger = dispatcher.seats.affinity.ledger
+    a, b = homed(dispatcher, "r0", 2)
+    (c,) = homed(dispatcher, "r1")
+    cold = start(dispatcher, clock, a, 2000.0)
+    other = start(dispatcher, clock, c, 10.0)
+    assert (replica_of(cold), replica_of(other)) == ("r0", "r1")
+    queued = start(dispatcher, clock, b, 1900.0)
+    assert queued.seat is None
+    assert (ledger.pending("r0"), ledger.pending("r1")) == (2000.0, 10.0)
+    dispatcher.finish(other, other.seat)
+    assert replica_of(queued) == "r1"
+    assert (ledger.pending("r0"), ledger.pending("r1")) == (2000.0, 1900.0)
+    dispatcher.finish(cold, cold.seat)
+    dispatcher.finish(queued, queued.seat)
+    assert (ledger.pending("r0"), ledger.pending("r1")) == (0.0, 0.0)
 
 
 async def test_prefix_affinity_end_to_end_by_header(
