@@ -320,7 +320,7 @@ class Dispatcher:
             ticket.place, seat.lease = answer.place, answer.seat
             return True
         self._ungrant(ticket, seat)
-        self._hold_off(answer)
+        self._hold_off(answer, headroom=seat.headroom)
         self._requeue(ticket)
         return False
 
@@ -352,9 +352,13 @@ class Dispatcher:
         if ticket.seat is None:
             ticket.timer = loop.call_later(ticket.expires_at - now, self._expire, ticket)
 
-    def _hold_off(self, blocked: Blocked) -> None:
+    def _hold_off(self, blocked: Blocked, *, headroom: bool = False) -> None:
         """Pass over a full shared place until it may have freed (``freed``), or until the
-        earliest lease there would expire unrenewed (a process that died publishes nothing)."""
+        earliest lease there would expire unrenewed (a process that died publishes nothing).
+
+        A replica refused for a regular seat is held off for regular seats only: its
+        headroom seats may still be free across the instances; ``headroom``: the seat
+        refused was one of those, so they are held off too."""
         if blocked.kind == "tenant":
             self._shared_blocked.add(blocked.name)
             self.scheduler.set_blocked(blocked.name, True)
@@ -363,6 +367,7 @@ class Dispatcher:
             if replica is None:
                 return
             replica.shared_full = True
+            replica.shared_headroom_full = replica.shared_headroom_full or headroom
         key = (blocked.kind, blocked.name)
         timer = self._freed_timers.get(key)
         loop = asyncio.get_running_loop()
@@ -383,8 +388,9 @@ class Dispatcher:
                 changed = True
         if kind is None or kind == "replica":
             for replica in self.pool.replicas:
-                if replica.shared_full and (name is None or replica.name == name):
-                    replica.shared_full = False
+                held_off = replica.shared_full or replica.shared_headroom_full
+                if held_off and (name is None or replica.name == name):
+                    replica.shared_full = replica.shared_headroom_full = False
                     changed = True
         for key in [k for k in self._freed_timers if kind is None or k == (kind, name)]:
             self._freed_timers.pop(key).cancel()
@@ -412,7 +418,8 @@ class Dispatcher:
     def _free(self, replica: Replica, lease: object | None = None) -> None:
         if lease is not None and self.shared is not None:
             self.shared.give_back(lease)
-            replica.shared_full = False  # this process may reuse the seat it frees
+            # This process may reuse the seat it frees.
+            replica.shared_full = replica.shared_headroom_full = False
         self.pool.free(replica)
         self.pump()
 

@@ -157,3 +157,39 @@ async def test_reject_undoes_the_local_grant() -> None:
     with pytest.raises(StateUnavailable):
         await d.wait(ticket)
     assert d.pool.total_inflight() == 0 and d.inflight("b") == 0 and len(d.scheduler) == 0
+
+
+async def test_the_knee_full_elsewhere_leaves_the_headroom_open() -> None:
+    """Other instances hold every regular seat of r0 (2 of 2 + 2 headroom): the flooding
+    tenant is refused there and requeued, yet a tenant below its fair share still starts
+    at once on a headroom seat, taken against the knee plus the headroom; once those are
+    all taken too, the headroom is held off as well until a release is heard."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b", "c")}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    others.held["r:r0"] = 2
+    flood = enqueue(d, clock, "a")
+    flood_waiter = asyncio.create_task(d.wait(flood))
+    replica = d.pool.replicas[0]
+    await wait_for(lambda: replica.shared_full)
+    assert d.scheduler.depth("a") == 1 and not flood_waiter.done()
+    clock.advance(0.5)
+    light = enqueue(d, clock, "b")
+    assert light.seat is not None and light.seat.headroom, "b must not queue behind a"
+    seat = await d.wait(light)
+    assert seat.lease == "r:r0" and others.held["r:r0"] == 3 and d.headroom_grants == 1
+    others.held["r:r0"] = 4  # the headroom is taken elsewhere too
+    late = enqueue(d, clock, "c")
+    late_waiter = asyncio.create_task(d.wait(late))
+    await wait_for(lambda: replica.shared_headroom_full)
+    assert d.scheduler.depth("c") == 1 and not late_waiter.done()
+    others.held["r:r0"] = 1  # only b's seat is left: the other instances gave theirs back
+    d.freed("replica", "r0")
+    assert not (replica.shared_full or replica.shared_headroom_full)
+    for ticket, waiter in ((flood, flood_waiter), (late, late_waiter)):
+        d.finish(ticket, await waiter)
+    d.finish(light, seat)
+    assert others.held["r:r0"] == 0 and d.pool.total_inflight() == 0
