@@ -161,8 +161,10 @@ async def bench(
                 base = proxy_config(urls, None, args.headroom)
                 chosen = {s.key: s for s in scenarios(capacity.rps, args.victim_load)}
                 measured: list[Measured] = []
-                for key in SCENARIO_KEYS:
+                for key in args.only or SCENARIO_KEYS:
                     for deployment in DEPLOYMENTS:
+                        if args.deployments and deployment.key not in args.deployments:
+                            continue
                         scenario = replace(chosen[key], key=f"{deployment.key}:{key}")
                         config = deployed_config(
                             base, deployment, f"redis://127.0.0.1:{port}/0", f"fair{len(measured)}"
@@ -415,6 +417,18 @@ def _parser() -> argparse.ArgumentParser:
         help="seats above the knee per replica (default %(default)s; 0: "
         "bench.fairness's no-headroom config)",
     )
+    parser.add_argument(
+        "--only", nargs="+", choices=SCENARIO_KEYS, metavar="SCENARIO",
+        help="run only these scenarios: " + ", ".join(SCENARIO_KEYS),
+    )  # fmt: skip
+    parser.add_argument(
+        "--deployments", nargs="+", choices=[d.key for d in DEPLOYMENTS], metavar="DEPLOYMENT",
+        help="run only these deployments: " + ", ".join(d.key for d in DEPLOYMENTS),
+    )  # fmt: skip
+    parser.add_argument(
+        "--workdir", type=Path, default=None,
+        help="keep the configs and every process's logs (access logs: proxy-N.stdout) here",
+    )  # fmt: skip
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
     return parser
 
@@ -461,8 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started, started_at = time.monotonic(), datetime.datetime.now(datetime.UTC)
     source = proxy_source()
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-fairness-shared-") as tmp:
-            capacity, measured = uvloop.run(bench(args, timing, Path(tmp)))
+        if args.workdir is not None:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            capacity, measured = uvloop.run(bench(args, timing, args.workdir))
+        else:
+            with tempfile.TemporaryDirectory(prefix="bench-fairness-shared-") as tmp:
+                capacity, measured = uvloop.run(bench(args, timing, Path(tmp)))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -321,8 +321,35 @@ class Dispatcher:
             return True
         self._ungrant(ticket, seat)
         self._hold_off(answer, headroom=seat.headroom)
+        if answer.kind == "replica" and not seat.headroom and self._headroom_instead(ticket):
+            return False  # ``wait`` takes its headroom seat's shared places next
         self._requeue(ticket)
         return False
+
+    def _headroom_instead(self, ticket: Ticket) -> bool:
+        """A regular seat refused across the instances: the knee is full, which this
+        process could not see. Had it known, a tenant below its fair share would have
+        started on a headroom seat, as on one instance; it does now instead of queueing
+        for the knee. The ticket is its tenant's oldest (granted with nobody queued, or
+        popped from the head of its queue), so no later ticket of its tenant passes it."""
+        now = self._clock.now()
+        if self._closed is not None or ticket.expires_at <= now:
+            return False
+        tenant, priority, model = ticket.tenant, ticket.priority, ticket.model
+        if (
+            not self.pool.offers_headroom()
+            or self._at_cap(tenant)
+            or not self.below_fair_share(tenant, priority, now, model)
+        ):
+            return False
+        replica = self.seats.free(model, headroom=True)
+        if replica is None:
+            return False
+        seat = self.pool.lease(replica)
+        seat.headroom = True
+        self._grant(ticket, seat, now)
+        self._headroom_grants[tenant] = self._headroom_grants.get(tenant, 0) + 1
+        return True
 
     def _ungrant(self, ticket: Ticket, seat: Seat) -> None:
         """Undo a local grant whose shared places were not taken (no pump: the caller's)."""
@@ -530,7 +557,7 @@ class Dispatcher:
         if self._grants % USAGE_SWEEP_EVERY == 0:
             self._usage.forget_idle(now)
             self.waits.forget_idle(now)
-        if ticket.future is not None:
+        if ticket.future is not None and not ticket.future.done():  # done: granted again
             ticket.future.set_result(seat)
 
     def _at_cap(self, tenant: str) -> bool:

@@ -193,3 +193,28 @@ async def test_the_knee_full_elsewhere_leaves_the_headroom_open() -> None:
         d.finish(ticket, await waiter)
     d.finish(light, seat)
     assert others.held["r:r0"] == 0 and d.pool.total_inflight() == 0
+
+
+async def test_a_regular_seat_refused_elsewhere_turns_into_a_headroom_seat() -> None:
+    """Nobody waits here and r0 looks free, but the other instances hold its whole knee:
+    the regular seat granted locally is refused, and a tenant below its fair share then
+    starts on a headroom seat at once, as it would have on one instance, rather than
+    wait in the queue for the knee to free."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    earlier = [enqueue(d, clock, "a") for _ in range(2)]  # a's recent work, here
+    for ticket in earlier:
+        d.finish(ticket, await d.wait(ticket))
+    others.held["r:r0"] = 2  # the knee is full across the instances
+    ticket = enqueue(d, clock, "b")
+    assert ticket.seat is not None and not ticket.seat.headroom  # locally the knee is free
+    seat = await asyncio.wait_for(d.wait(ticket), 5)
+    assert seat.headroom and seat.lease == "r:r0" and others.held["r:r0"] == 3
+    assert d.scheduler.depth("b") == 0 and d.headroom_grants == 1
+    assert d.pool.replicas[0].shared_full and not d.pool.replicas[0].shared_headroom_full
+    d.finish(ticket, seat)
+    assert others.held["r:r0"] == 2 and d.pool.total_inflight() == 0
