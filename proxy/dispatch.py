@@ -328,27 +328,21 @@ class Dispatcher:
 
     def _headroom_instead(self, ticket: Ticket) -> bool:
         """A regular seat refused across the instances: the knee is full, which this
-        process could not see. Had it known, a tenant below its fair share would have
-        started on a headroom seat, as on one instance; it does now instead of queueing
-        for the knee. The ticket is its tenant's oldest (granted with nobody queued, or
-        popped from the head of its queue), so no later ticket of its tenant passes it."""
+        process could not see. Had it known, a tenant below its fair share with nothing
+        else queued would have started on a headroom seat, as on one instance
+        (``_headroom_for``); it does now instead of queueing for the knee. The ticket was
+        granted with nobody queued or popped from the head of its queue, so it is its
+        tenant's oldest."""
         now = self._clock.now()
         if self._closed is not None or ticket.expires_at <= now:
             return False
-        tenant, priority, model = ticket.tenant, ticket.priority, ticket.model
-        if (
-            not self.pool.offers_headroom()
-            or self._at_cap(tenant)
-            or not self.below_fair_share(tenant, priority, now, model)
-        ):
-            return False
-        replica = self.seats.free(model, headroom=True)
+        replica = self._headroom_for(ticket.tenant, ticket.priority, now, ticket.model)
         if replica is None:
             return False
         seat = self.pool.lease(replica)
         seat.headroom = True
         self._grant(ticket, seat, now)
-        self._headroom_grants[tenant] = self._headroom_grants.get(tenant, 0) + 1
+        self._headroom_grants[ticket.tenant] = self._headroom_grants.get(ticket.tenant, 0) + 1
         return True
 
     def _ungrant(self, ticket: Ticket, seat: Seat) -> None:

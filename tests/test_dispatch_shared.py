@@ -218,3 +218,33 @@ async def test_a_regular_seat_refused_elsewhere_turns_into_a_headroom_seat() -> 
     assert d.pool.replicas[0].shared_full and not d.pool.replicas[0].shared_headroom_full
     d.finish(ticket, seat)
     assert others.held["r:r0"] == 2 and d.pool.total_inflight() == 0
+
+
+async def test_a_tenant_with_more_queued_stays_off_the_headroom_when_refused() -> None:
+    """As on one instance, a tenant with tickets of its own queued never takes headroom,
+    even below its fair share: its popped ticket, refused the knee elsewhere, requeues."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    for _ in range(4):  # b's recent work: a is well below its share
+        for ticket in [enqueue(d, clock, "b") for _ in range(2)]:
+            d.finish(ticket, await d.wait(ticket))
+    running = [enqueue(d, clock, "a") for _ in range(2)]
+    seats = [await d.wait(ticket) for ticket in running]
+    queued = [enqueue(d, clock, "a") for _ in range(2)]
+    waiters = [asyncio.create_task(d.wait(ticket)) for ticket in queued]
+    assert d.scheduler.depth("a") == 2 and d.below_fair_share("a", "standard", clock.now())
+    others.held["r:r0"] += 1  # another instance takes the seat a frees next
+    d.finish(running[0], seats[0])  # pops a's next ticket: refused, and back in the queue
+    await wait_for(lambda: d.pool.replicas[0].shared_full)
+    assert d.scheduler.depth("a") == 2 and d.headroom_grants == 0
+    assert not any(waiter.done() for waiter in waiters)
+    others.held["r:r0"] = 1  # only a's running seat is left
+    d.freed("replica", "r0")
+    d.finish(running[1], seats[1])
+    for ticket, waiter in zip(queued, waiters, strict=True):
+        d.finish(ticket, await waiter)
+    assert others.held["r:r0"] == 0 and d.pool.total_inflight() == 0
