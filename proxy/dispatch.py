@@ -311,7 +311,9 @@ class Dispatcher:
         replica = seat.replica
         seats = replica.limit + (replica.headroom if seat.headroom else 0)
         try:
-            answer = await self.shared.take(ticket.tenant, cap, replica.name, seats, weight)
+            answer = await self.shared.take(
+                ticket.tenant, cap, replica.name, seats, weight, headroom=seat.headroom
+            )
         except BaseException:
             self._ungrant(ticket, seat)
             self.pump()

@@ -36,8 +36,9 @@ class OtherInstances:
         return True
 
     async def take(
-        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0
-    ) -> Held | Blocked:
+        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
+        *, headroom: bool = False,
+    ) -> Held | Blocked:  # fmt: skip
         if self.down:
             raise StateUnavailable("down", retry_after_s=1.0)
         place = None
