@@ -230,18 +230,23 @@ async def test_a_tenant_with_more_queued_stays_off_the_headroom_when_refused() -
     d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
     others = OtherInstances()
     d.shared = others
+    replica = d.pool.replicas[0]
     for _ in range(4):  # b's recent work: a is well below its share
         for ticket in [enqueue(d, clock, "b") for _ in range(2)]:
             d.finish(ticket, await d.wait(ticket))
     running = [enqueue(d, clock, "a") for _ in range(2)]
     seats = [await d.wait(ticket) for ticket in running]
+    others.held["r:r0"] = 4  # a's two and two elsewhere: the headroom too is taken
     queued = [enqueue(d, clock, "a") for _ in range(2)]
     waiters = [asyncio.create_task(d.wait(ticket)) for ticket in queued]
-    assert d.scheduler.depth("a") == 2 and d.below_fair_share("a", "standard", clock.now())
-    others.held["r:r0"] += 1  # another instance takes the seat a frees next
-    d.finish(running[0], seats[0])  # pops a's next ticket: refused, and back in the queue
-    await wait_for(lambda: d.pool.replicas[0].shared_full)
-    assert d.scheduler.depth("a") == 2 and d.headroom_grants == 0
+    await wait_for(lambda: replica.shared_headroom_full)  # a's headroom tries were refused
+    await wait_for(lambda: d.scheduler.depth("a") == 2)
+    assert d.below_fair_share("a", "standard", clock.now())
+    headroom_grants = d.headroom_grants
+    d.finish(running[0], seats[0])  # pops a's next ticket: the knee is refused, it requeues
+    await wait_for(lambda: replica.shared_full and not replica.shared_headroom_full)
+    await wait_for(lambda: d.scheduler.depth("a") == 2)
+    assert d.headroom_grants == headroom_grants and others.held["r:r0"] == 3
     assert not any(waiter.done() for waiter in waiters)
     others.held["r:r0"] = 1  # only a's running seat is left
     d.freed("replica", "r0")
