@@ -29,7 +29,10 @@ them: the same against one instance on Redis, alone and next to the
 neighbour, and the aggressor's served share per deployment.
 
     .venv/bin/python -m bench.fairness_shared [--seconds N] [--quick] [--headroom N]
-        [--output PATH]
+        [--only SCENARIO ...] [--deployments DEPLOYMENT ...] [--workdir DIR] [--output PATH]
+
+``--workdir`` keeps every process's log there (the proxies' access logs are
+``proxy-N.stdout``, numbered in starting order) to look into a run afterwards.
 """
 
 from __future__ import annotations
