@@ -404,15 +404,19 @@ async def run_scenario(
     scenario: Scenario,
     config_yaml: str,
     timing: Timing,
+    instances: int = 1,
 ) -> Run:
+    """One scenario; through ``instances`` proxies with this config when it goes via the
+    proxy (several need ``state.backend: redis``), each request to one of them at random."""
     targets = [sim.url for sim in fleet.sims]
     if scenario.via_proxy:
-        proxy = await fleet.start_proxy(config_yaml)
-        await wait_ready(control, proxy, "/readyz")
-        targets = [proxy.url]
+        proxies = await fleet.start_proxies(config_yaml, instances)
+        for proxy in proxies:
+            await wait_ready(control, proxy, "/readyz")
+        targets = [proxy.url for proxy in proxies]
     pids = {f"sim-{i}": sim.process.pid for i, sim in enumerate(fleet.sims)}
-    if fleet.proxy is not None:
-        pids["proxy"] = fleet.proxy.process.pid
+    for i, proxy in enumerate(fleet.proxies):
+        pids["proxy" if len(fleet.proxies) == 1 else f"proxy-{i}"] = proxy.process.pid
     before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": own_cpu()}
     samples: list[tuple[float, dict[str, int]]] = []
     sampler: asyncio.Task[None] | None = None
@@ -435,7 +439,7 @@ async def run_scenario(
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"loadgen": own_cpu()}
-        access_log = fleet.stop_proxy()
+        access_logs = fleet.stop_proxies()
     elapsed = time.perf_counter() - t0
     await wait_sims_idle(control, fleet.sims)
     by_flow: dict[str, list[Result]] = {flow.name: [] for flow in scenario.flows}
@@ -443,9 +447,10 @@ async def run_scenario(
         by_flow[result.flow].append(result)
     window = (timing.warmup_s, timing.warmup_s + timing.seconds)
     split: dict[str, Wait] = {}
-    if scenario.protected is not None and access_log is not None:
+    if scenario.protected is not None and access_logs:
         measured = due_in(by_flow[scenario.protected], *window)
-        split = waits(read_access_log(access_log), [r.request_id for r in measured])
+        entries = {k: v for path in access_logs for k, v in read_access_log(path).items()}
+        split = waits(entries, [r.request_id for r in measured])
     return Run(
         scenario=scenario,
         results=by_flow,
@@ -795,7 +800,7 @@ def _run_json(run: Run) -> dict[str, Any]:
     return data
 
 
-def _source() -> dict[str, Any]:
+def proxy_source() -> dict[str, Any]:
     """Which proxy code ran: the commit, and the files changed since (``git`` is read only)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -806,6 +811,16 @@ def _source() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "changed": []}
     return {"commit": head, "changed": [line[3:] for line in changed]}
+
+
+def timing_for(quick: bool, seconds: float | None, default_s: float = DEFAULT_SECONDS) -> Timing:
+    """The run's timing, full or ``--quick``; ``seconds`` (measured per scenario) if given."""
+    return Timing(
+        warmup_s=QUICK_WARMUP_S if quick else WARMUP_S,
+        seconds=seconds if seconds is not None else (QUICK_SECONDS if quick else default_s),
+        drain_s=QUICK_DRAIN_S if quick else DRAIN_S,
+        calibrate_s=QUICK_CALIBRATE_S if quick else CALIBRATE_S,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -851,15 +866,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    quick = args.quick
-    timing = Timing(
-        warmup_s=QUICK_WARMUP_S if quick else WARMUP_S,
-        seconds=args.seconds
-        if args.seconds is not None
-        else (QUICK_SECONDS if quick else DEFAULT_SECONDS),
-        drain_s=QUICK_DRAIN_S if quick else DRAIN_S,
-        calibrate_s=QUICK_CALIBRATE_S if quick else CALIBRATE_S,
-    )
+    timing = timing_for(args.quick, args.seconds)
     seats = REPLICAS * SLOTS
     cap_ok = args.tenant_cap is None or 1 <= args.tenant_cap <= seats
     if timing.seconds <= 0 or not 0 < args.victim_load < 1 or not cap_ok or args.headroom < 0:
@@ -878,7 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(cpu_line(), flush=True)
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    source = _source()  # before the run: the code that runs, even if a commit lands meanwhile
+    source = proxy_source()  # before the run: the code that runs, even if a commit lands meanwhile
     try:
         with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
             capacity, runs = uvloop.run(bench(args, timing, Path(tmp)))

@@ -47,48 +47,64 @@ def _command() -> list[str]:
 
 
 class Fleet(Closing):
-    """The replicas for the whole run and one proxy at a time, all stopped on exit."""
+    """The replicas for the whole run and one proxy deployment at a time (one ``serve``
+    process, or several sharing one config: ``state.backend: redis``), all stopped on exit."""
 
     def __init__(self, workdir: Path) -> None:
         self._workdir = workdir
         self._sims = Sims(workdir, "fleet")
-        self.proxy: Server | None = None
+        self.proxies: list[Server] = []
         self._proxies_started = 0
 
     def __repr__(self) -> str:
-        proxy = "a proxy" if self.proxy is not None else "no proxy"
-        return f"<Fleet {len(self.sims)} sims, {proxy}>"
+        return f"<Fleet {len(self.sims)} sims, {len(self.proxies)} proxies>"
 
     @property
     def sims(self) -> list[Server]:
         return self._sims.sims
 
+    @property
+    def proxy(self) -> Server | None:
+        """The first (or only) proxy running, if any."""
+        return self.proxies[0] if self.proxies else None
+
     async def start_sims(self, count: int, sim_args: list[str]) -> list[Server]:
         return await self._sims.start(count, sim_args)
 
     async def start_proxy(self, config_yaml: str) -> Server:
-        """A fresh proxy with this config (the previous one must be stopped)."""
-        assert self.proxy is None, "one proxy at a time"
-        self._proxies_started += 1
-        name = f"proxy-{self._proxies_started}"
-        config_path = self._workdir / f"{name}.yaml"
-        config_path.write_text(config_yaml)
-        argv = [*_command(), "serve", "--config", str(config_path), "--port", "0"]
-        self.proxy = child = spawn(name, argv, self._workdir, env=scrubbed_env(), keep_stdout=True)
-        assert child.stdout_path is not None
-        child.url = await logged_url(child, child.stdout_path, proxy_url)
-        return child
+        """A fresh proxy with this config (the previous ones must be stopped)."""
+        return (await self.start_proxies(config_yaml, 1))[0]
+
+    async def start_proxies(self, config_yaml: str, count: int) -> list[Server]:
+        """``count`` fresh ``serve`` processes with this one config, each on its own port."""
+        assert not self.proxies, "one deployment at a time"
+        for _ in range(count):
+            self._proxies_started += 1
+            name = f"proxy-{self._proxies_started}"
+            config_path = self._workdir / f"{name}.yaml"
+            config_path.write_text(config_yaml)
+            argv = [*_command(), "serve", "--config", str(config_path), "--port", "0"]
+            child = spawn(name, argv, self._workdir, env=scrubbed_env(), keep_stdout=True)
+            self.proxies.append(child)
+        for child in self.proxies:
+            assert child.stdout_path is not None
+            child.url = await logged_url(child, child.stdout_path, proxy_url)
+        return list(self.proxies)
 
     def stop_proxy(self) -> Path | None:
         """Stop the proxy; returns its access log (stdout) for the caller to read."""
-        child, self.proxy = self.proxy, None
-        if child is None:
-            return None
-        stop_server(child)
-        return child.stdout_path
+        logs = self.stop_proxies()
+        return logs[0] if logs else None
+
+    def stop_proxies(self) -> list[Path]:
+        """Stop every proxy; returns their access logs (stdout), in starting order."""
+        children, self.proxies = self.proxies, []
+        for child in children:
+            stop_server(child)
+        return [child.stdout_path for child in children if child.stdout_path is not None]
 
     def close(self) -> None:
-        self.stop_proxy()
+        self.stop_proxies()
         self._sims.close()
 
 

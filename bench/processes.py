@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,8 @@ from types import TracebackType
 from typing import Any, Self
 
 import aiohttp
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from bench.common import scrubbed_env
 
@@ -147,6 +150,34 @@ def start_upstream_and_passthrough(
         port, "/health", workdir,
     ))  # fmt: skip
     return upstream
+
+
+def start_redis(workdir: Path) -> tuple[Server, int]:
+    """A loopback ``redis-server`` without persistence, for ``state.backend: redis``; returns
+    it and its port (``wait_redis`` waits until it answers). Stopped by the caller."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed")
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return start_server("redis", argv, port, "", workdir), port
+
+
+async def wait_redis(server: Server, port: int, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until the Redis on ``port`` answers PING; fail early if it exits."""
+    client = Redis(host="127.0.0.1", port=port, socket_connect_timeout=1.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            server.check_alive()
+            with contextlib.suppress(RedisError, OSError):
+                if await client.ping():
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.name} not answering after {timeout_s:.0f} s")
+            await asyncio.sleep(POLL_S)
+    finally:
+        await client.aclose()
 
 
 def stop_server(server: Server) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from bench.processes import (
     cpu_seconds,
     free_port,
     spawn,
-    start_server,
+    start_redis,
     start_upstream_and_passthrough,
     stop_server,
     wait_ready,
@@ -115,15 +114,8 @@ def servers(workdir: Path) -> Iterator[tuple[dict[str, Server], Server]]:
     started: list[Server] = []
     python = sys.executable
     command = str(Path(python).parent / "admission-proxy")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("shared_state: redis-server is not installed")
     try:
-        port = free_port()
-        redis = start_server(
-            "redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                      "--appendonly", "no"], port, "", workdir,
-        )  # fmt: skip
+        redis, port = start_redis(workdir)
         started.append(redis)
         redis_url = f"redis://127.0.0.1:{port}/0"
         upstream = start_upstream_and_passthrough(workdir, started)

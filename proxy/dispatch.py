@@ -311,7 +311,9 @@ class Dispatcher:
         replica = seat.replica
         seats = replica.limit + (replica.headroom if seat.headroom else 0)
         try:
-            answer = await self.shared.take(ticket.tenant, cap, replica.name, seats, weight)
+            answer = await self.shared.take(
+                ticket.tenant, cap, replica.name, seats, weight, headroom=seat.headroom
+            )
         except BaseException:
             self._ungrant(ticket, seat)
             self.pump()
@@ -320,9 +322,30 @@ class Dispatcher:
             ticket.place, seat.lease = answer.place, answer.seat
             return True
         self._ungrant(ticket, seat)
-        self._hold_off(answer)
+        self._hold_off(answer, headroom=seat.headroom)
+        if answer.kind == "replica" and not seat.headroom and self._headroom_instead(ticket):
+            return False  # ``wait`` takes its headroom seat's shared places next
         self._requeue(ticket)
         return False
+
+    def _headroom_instead(self, ticket: Ticket) -> bool:
+        """A regular seat refused across the instances: the knee is full, which this
+        process could not see. Had it known, a tenant below its fair share with nothing
+        else queued would have started on a headroom seat, as on one instance
+        (``_headroom_for``); it does now instead of queueing for the knee. The ticket was
+        granted with nobody queued or popped from the head of its queue, so it is its
+        tenant's oldest."""
+        now = self._clock.now()
+        if self._closed is not None or ticket.expires_at <= now:
+            return False
+        replica = self._headroom_for(ticket.tenant, ticket.priority, now, ticket.model)
+        if replica is None:
+            return False
+        seat = self.pool.lease(replica)
+        seat.headroom = True
+        self._grant(ticket, seat, now)
+        self._headroom_grants[ticket.tenant] = self._headroom_grants.get(ticket.tenant, 0) + 1
+        return True
 
     def _ungrant(self, ticket: Ticket, seat: Seat) -> None:
         """Undo a local grant whose shared places were not taken (no pump: the caller's)."""
@@ -353,9 +376,13 @@ class Dispatcher:
         if ticket.seat is None:
             ticket.timer = loop.call_later(ticket.expires_at - now, self._expire, ticket)
 
-    def _hold_off(self, blocked: Blocked) -> None:
+    def _hold_off(self, blocked: Blocked, *, headroom: bool = False) -> None:
         """Pass over a full shared place until it may have freed (``freed``), or until the
-        earliest lease there would expire unrenewed (a process that died publishes nothing)."""
+        earliest lease there would expire unrenewed (a process that died publishes nothing).
+
+        A replica refused for a regular seat is held off for regular seats only: its
+        headroom seats may still be free across the instances; ``headroom``: the seat
+        refused was one of those, so they are held off too."""
         if blocked.kind == "tenant":
             self._shared_blocked.add(blocked.name)
             self.scheduler.set_blocked(blocked.name, True)
@@ -364,6 +391,7 @@ class Dispatcher:
             if replica is None:
                 return
             replica.shared_full = True
+            replica.shared_headroom_full = replica.shared_headroom_full or headroom
         key = (blocked.kind, blocked.name)
         timer = self._freed_timers.get(key)
         loop = asyncio.get_running_loop()
@@ -384,8 +412,9 @@ class Dispatcher:
                 changed = True
         if kind is None or kind == "replica":
             for replica in self.pool.replicas:
-                if replica.shared_full and (name is None or replica.name == name):
-                    replica.shared_full = False
+                held_off = replica.shared_full or replica.shared_headroom_full
+                if held_off and (name is None or replica.name == name):
+                    replica.shared_full = replica.shared_headroom_full = False
                     changed = True
         for key in [k for k in self._freed_timers if kind is None or k == (kind, name)]:
             self._freed_timers.pop(key).cancel()
@@ -414,7 +443,8 @@ class Dispatcher:
     def _free(self, replica: Replica, lease: object | None = None) -> None:
         if lease is not None and self.shared is not None:
             self.shared.give_back(lease)
-            replica.shared_full = False  # this process may reuse the seat it frees
+            # This process may reuse the seat it frees.
+            replica.shared_full = replica.shared_headroom_full = False
         self.pool.free(replica)
         self.pump()
 
@@ -527,7 +557,7 @@ class Dispatcher:
         if self._grants % USAGE_SWEEP_EVERY == 0:
             self._usage.forget_idle(now)
             self.waits.forget_idle(now)
-        if ticket.future is not None:
+        if ticket.future is not None and not ticket.future.done():  # done: granted again
             ticket.future.set_result(seat)
 
     def _at_cap(self, tenant: str) -> bool:

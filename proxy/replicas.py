@@ -101,6 +101,7 @@ class Replica:
         "retired",
         "saturated",
         "shared_full",
+        "shared_headroom_full",
         "ssl",
         "tls",
         "url",
@@ -132,6 +133,10 @@ class Replica:
         #: Shared state: its seats are all taken across the instances; held off here
         #: until one frees (``Dispatcher.freed``).
         self.shared_full = False
+        #: The same for its headroom seats too. A regular seat refused (the knee
+        #: full across the instances) leaves the headroom open, as it is locally:
+        #: a tenant below its fair share still starts there at once.
+        self.shared_headroom_full = False
         #: Consecutive failures, and how many ejections in a row (health.py).
         self.failures = 0
         self.ejections = 0
@@ -203,7 +208,7 @@ class Replica:
         return (
             self.dispatchable
             and self.inflight < self.limit + self.headroom
-            and not self.shared_full
+            and not self.shared_headroom_full
         )
 
     @property

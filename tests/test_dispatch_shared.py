@@ -36,8 +36,9 @@ class OtherInstances:
         return True
 
     async def take(
-        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0
-    ) -> Held | Blocked:
+        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
+        *, headroom: bool = False,
+    ) -> Held | Blocked:  # fmt: skip
         if self.down:
             raise StateUnavailable("down", retry_after_s=1.0)
         place = None
@@ -157,3 +158,99 @@ async def test_reject_undoes_the_local_grant() -> None:
     with pytest.raises(StateUnavailable):
         await d.wait(ticket)
     assert d.pool.total_inflight() == 0 and d.inflight("b") == 0 and len(d.scheduler) == 0
+
+
+async def test_the_knee_full_elsewhere_leaves_the_headroom_open() -> None:
+    """Other instances hold every regular seat of r0 (2 of 2 + 2 headroom): the flooding
+    tenant is refused there and requeued, yet a tenant below its fair share still starts
+    at once on a headroom seat, taken against the knee plus the headroom; once those are
+    all taken too, the headroom is held off as well until a release is heard."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b", "c")}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    others.held["r:r0"] = 2
+    flood = enqueue(d, clock, "a")
+    flood_waiter = asyncio.create_task(d.wait(flood))
+    replica = d.pool.replicas[0]
+    await wait_for(lambda: replica.shared_full)
+    assert d.scheduler.depth("a") == 1 and not flood_waiter.done()
+    clock.advance(0.5)
+    light = enqueue(d, clock, "b")
+    assert light.seat is not None and light.seat.headroom, "b must not queue behind a"
+    seat = await d.wait(light)
+    assert seat.lease == "r:r0" and others.held["r:r0"] == 3 and d.headroom_grants == 1
+    others.held["r:r0"] = 4  # the headroom is taken elsewhere too
+    late = enqueue(d, clock, "c")
+    late_waiter = asyncio.create_task(d.wait(late))
+    await wait_for(lambda: replica.shared_headroom_full)
+    assert d.scheduler.depth("c") == 1 and not late_waiter.done()
+    others.held["r:r0"] = 1  # only b's seat is left: the other instances gave theirs back
+    d.freed("replica", "r0")
+    assert not (replica.shared_full or replica.shared_headroom_full)
+    for ticket, waiter in ((flood, flood_waiter), (late, late_waiter)):
+        d.finish(ticket, await waiter)
+    d.finish(light, seat)
+    assert others.held["r:r0"] == 0 and d.pool.total_inflight() == 0
+
+
+async def test_a_regular_seat_refused_elsewhere_turns_into_a_headroom_seat() -> None:
+    """Nobody waits here and r0 looks free, but the other instances hold its whole knee:
+    the regular seat granted locally is refused, and a tenant below its fair share then
+    starts on a headroom seat at once, as it would have on one instance, rather than
+    wait in the queue for the knee to free."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    earlier = [enqueue(d, clock, "a") for _ in range(2)]  # a's recent work, here
+    for ticket in earlier:
+        d.finish(ticket, await d.wait(ticket))
+    others.held["r:r0"] = 2  # the knee is full across the instances
+    ticket = enqueue(d, clock, "b")
+    assert ticket.seat is not None and not ticket.seat.headroom  # locally the knee is free
+    seat = await asyncio.wait_for(d.wait(ticket), 5)
+    assert seat.headroom and seat.lease == "r:r0" and others.held["r:r0"] == 3
+    assert d.scheduler.depth("b") == 0 and d.headroom_grants == 1
+    assert d.pool.replicas[0].shared_full and not d.pool.replicas[0].shared_headroom_full
+    d.finish(ticket, seat)
+    assert others.held["r:r0"] == 2 and d.pool.total_inflight() == 0
+
+
+async def test_a_tenant_with_more_queued_stays_off_the_headroom_when_refused() -> None:
+    """As on one instance, a tenant with tickets of its own queued never takes headroom,
+    even below its fair share: its popped ticket, refused the knee elsewhere, requeues."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    replica = d.pool.replicas[0]
+    for _ in range(4):  # b's recent work: a is well below its share
+        for ticket in [enqueue(d, clock, "b") for _ in range(2)]:
+            d.finish(ticket, await d.wait(ticket))
+    running = [enqueue(d, clock, "a") for _ in range(2)]
+    seats = [await d.wait(ticket) for ticket in running]
+    others.held["r:r0"] = 4  # a's two and two elsewhere: the headroom too is taken
+    queued = [enqueue(d, clock, "a") for _ in range(2)]
+    waiters = [asyncio.create_task(d.wait(ticket)) for ticket in queued]
+    await wait_for(lambda: replica.shared_headroom_full)  # a's headroom tries were refused
+    await wait_for(lambda: d.scheduler.depth("a") == 2)
+    assert d.below_fair_share("a", "standard", clock.now())
+    headroom_grants = d.headroom_grants
+    d.finish(running[0], seats[0])  # pops a's next ticket: the knee is refused, it requeues
+    await wait_for(lambda: replica.shared_full and not replica.shared_headroom_full)
+    await wait_for(lambda: d.scheduler.depth("a") == 2)
+    assert d.headroom_grants == headroom_grants and others.held["r:r0"] == 3
+    assert not any(waiter.done() for waiter in waiters)
+    others.held["r:r0"] = 1  # only a's running seat is left
+    d.freed("replica", "r0")
+    d.finish(running[1], seats[1])
+    for ticket, waiter in zip(queued, waiters, strict=True):
+        d.finish(ticket, await waiter)
+    assert others.held["r:r0"] == 0 and d.pool.total_inflight() == 0

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
@@ -332,4 +333,22 @@ async def test_a_seat_taken_while_redis_was_down_counts_for_its_tenant(
     assert await store.release(other)
     assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("a")), Full)
     assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("b")), Lease)
+    await timed.aclose()
+
+
+async def test_a_headroom_seat_is_taken_outside_the_turn(client: StateClient) -> None:
+    """b holds 2 of 4 seats (one of them headroom) to a's 1, and a waits: a regular seat for
+    b is refused in a's turn, a headroom seat is not (b's process found it below its fair
+    share of recent work; its seats held now would hand the turn to the flood)."""
+    clock = FakeClock(start=5_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    store = LeaseStore(timed, "p1", 10_000)
+    assert isinstance(await store.acquire(SEATS, 1, CHANNEL, _share("a")), Lease)
+    for _ in range(2):
+        assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("b")), Lease)
+    assert isinstance(await store.acquire(SEATS, 3, CHANNEL, _share("a")), Full)  # a waits
+    assert isinstance(await store.acquire(SEATS, 4, CHANNEL, _share("b")), Full)
+    headroom = replace(_share("b"), turn=False)
+    assert isinstance(await store.acquire(SEATS, 4, CHANNEL, headroom), Lease)
+    assert isinstance(await store.acquire(SEATS, 4, CHANNEL, headroom), Full)  # all 4 held
     await timed.aclose()

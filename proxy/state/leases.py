@@ -51,7 +51,10 @@ return {1, held + 1, '0'}
 #: only when its finish tag, (seats held + 1) / weight, is not above that of any
 #: other waiting tenant (weighted fair queuing over the seats); a refusal records the caller as
 #: waiting for ``wait_ms`` and asks it back within half of that, so a waiter that
-#: is gone stops counting within ``wait_ms``.
+#: is gone stops counting within ``wait_ms``. ARGV[8] ``0``: a headroom seat,
+#: granted whenever one is free (the caller's process found the tenant below its
+#: fair share of recent work, the rule of headroom; the seats held now would count
+#: its headroom seats against it and hand the turn to the flood).
 _ACQUIRE_FAIR = """
 local now = now_ms()
 local key, waiting, weights = KEYS[1], KEYS[2], KEYS[3]
@@ -65,7 +68,7 @@ if held >= limit then
   local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
   refuse = lease_ms
   if first[2] then refuse = tonumber(first[2]) - now end
-else
+elseif ARGV[8] ~= '0' then
   local others = redis.call('ZRANGE', waiting, 0, -1)
   local least = nil
   local counts = nil
@@ -154,6 +157,8 @@ class Share:
     waiting: str
     weights: str
     wait_ms: int
+    #: False: a headroom seat, granted outside the turn whenever one is free.
+    turn: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +204,15 @@ class LeaseStore:
             granted, held, wait = await self._client.run(
                 _ACQUIRE_FAIR,
                 [key, share.waiting, share.weights],
-                [lease_id, limit, self.lease_ms, share.tenant, repr(share.weight), share.wait_ms],
+                [
+                    lease_id,
+                    limit,
+                    self.lease_ms,
+                    share.tenant,
+                    repr(share.weight),
+                    share.wait_ms,
+                    int(share.turn),
+                ],
             )
             lease_id = f"{share.tenant}|{lease_id}"
         if int(granted):

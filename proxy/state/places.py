@@ -117,8 +117,9 @@ class RedisPlaces:
     # -- taking ------------------------------------------------------------------------
 
     async def take(
-        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0
-    ) -> Held | Blocked:
+        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
+        *, headroom: bool = False,
+    ) -> Held | Blocked:  # fmt: skip
         share = None
         if tenant:
             share = Share(
@@ -127,6 +128,7 @@ class RedisPlaces:
                 self._keys.waiting(replica),
                 self._keys.waiting_weights(replica),
                 WAITING_MS,
+                turn=not headroom,
             )
         seat = Want(self._keys.seats(replica), seats, self.replica_channel(replica), share)
         place = None
