@@ -78,7 +78,15 @@ from bench.common import (
 from bench.load import DONE, load_session, percentile, sse_data
 from bench.model_isolation_stats import p99_ratio
 from bench.prefix_affinity import API_KEY, Fleet, fleet, start_proxy
-from bench.processes import Server, free_port, spawn, start_server, stop_server, wait_ready
+from bench.processes import (
+    CLOCK_TICKS,
+    Server,
+    free_port,
+    spawn,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 from bench.real_engine import MissingToolchain, ensure
 from proxy.loadtest.client import request_resending_stale
 from proxy.settings import parse_config
@@ -131,6 +139,13 @@ ARRANGEMENTS = {
         (*NICE, "taskset", "-c", "0"), (*NICE, "taskset", "-c", "1"), None, 19,
     ),
 }  # fmt: skip
+
+
+def machine_cpu() -> float:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``, all CPUs)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
 
 
 def renice_session(pid: int, nice: int) -> None:
@@ -312,7 +327,8 @@ async def run_phase(
             sampler = asyncio.create_task(flood.sample(session, stop))
         servers = {"proxy": proxy, "engine_a": engine_a, "engine_b": engine_b}
         before = {name: server.cpu() for name, server in servers.items()}
-        own, wall = own_cpu(), time.perf_counter()
+        flood_before = flood.server.cpu() if flood is not None else 0.0
+        own, busy, wall = own_cpu(), machine_cpu(), time.perf_counter()
         url = proxy.url if phase.b_via_proxy else engine_b.url
         ttfts = await b_phase(session, url, offsets, phase.name)
         wall = time.perf_counter() - wall
@@ -320,6 +336,12 @@ async def run_phase(
         for name, server in servers.items():
             cost[f"{name}_cpu_s"] = round(server.cpu() - before[name], 2)
         cost["b_client_cpu_s"] = round(own_cpu() - own, 2)
+        ours = sum(cost[f"{name}_cpu_s"] for name in servers) + cost["b_client_cpu_s"]
+        if flood is not None:
+            ours += flood.server.cpu() - flood_before
+        #: Busy CPU time of everything else on the machine (other processes, the kernel's
+        #: own threads): near 0 when the benchmark ran alone.
+        cost["other_cpu_s"] = round(machine_cpu() - busy - ours, 2)
     finally:
         stop.set()
         if sampler is not None:
@@ -493,8 +515,8 @@ def report(result: dict[str, Any]) -> None:
     print(f"arrangement: {result['arrangement']} ({result['machine']['note']})")
     print("| phase | B ok | TTFT p50 ms | TTFT p99 ms | proxy ttft p99 | upstream p99 | "
           "not-upstream p99 | outside p99 | B queued | A depth mean | A answers | proxy CPU s | "
-          "engine A / B CPU s | flood / B client CPU s | wall s |")  # fmt: skip
-    print("|---|" + "---:|" * 14)
+          "engine A / B CPU s | flood / B client CPU s | other CPU s | wall s |")  # fmt: skip
+    print("|---|" + "---:|" * 15)
     for name, p in result["phases"].items():
         proxy = p["proxy"] or {}
         flood = p.get("flood") or {}
@@ -509,7 +531,8 @@ def report(result: dict[str, Any]) -> None:
             f"{proxy.get('queued', '-')} | {flood.get('depth_mean', '-')} | "
             f"{flood.get('answers', '-')} | {p['proxy_cpu_s']} | "
             f"{p['engine_a_cpu_s']} / {p['engine_b_cpu_s']} | "
-            f"{flood.get('client_cpu_s', '-')} / {p['b_client_cpu_s']} | {p['wall_s']} |"
+            f"{flood.get('client_cpu_s', '-')} / {p['b_client_cpu_s']} | {p['other_cpu_s']} | "
+            f"{p['wall_s']} |"
         )
     print(f"alone pooled p99: {result['alone_pooled_ttft_p99_ms']} ms")
     for ratio in result["ratios"]:
