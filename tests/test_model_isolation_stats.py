@@ -54,14 +54,15 @@ def test_ratio_needs_values_on_both_sides() -> None:
 
 def test_proxy_timings_split_the_clients_ttft() -> None:
     """One access-log line: the proxy's TTFT 12 ms of which the engine's 9; the client
-    saw 15 ms: 3 ms are the proxy's own, 3 ms outside it. A line with no TTFT (a failed
-    request) is left out."""
+    saw 15 ms: 3 ms are the proxy's (1 of them waiting for a seat), 3 ms outside it. A line
+    with no TTFT (a failed request) is left out."""
     lines = [
-        {"request_id": "flooded-0", "queue_ms": 0.05, "ttft_ms": 12.0, "upstream_ms": 9.0},
+        {"request_id": "flooded-0", "queue_ms": 1.0, "ttft_ms": 12.0, "upstream_ms": 9.0},
         {"request_id": "flooded-1", "queue_ms": 0.05, "ttft_ms": None, "upstream_ms": None},
     ]
     summary = proxy_timings(lines, {"flooded-0": 0.015})
     assert summary["lines"] == 1
     assert summary["not_upstream_ms"]["p99"] == 3.0
+    assert summary["own_ms"]["p99"] == 2.0
     assert summary["outside_ms"]["p99"] == pytest.approx(3.0)
     assert summary["queued"] == 0
