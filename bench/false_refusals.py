@@ -1,7 +1,7 @@
 """False refusals: does predictive rejection refuse work that would have fit?
 
 Each scenario's arrivals are generated once (seeded) and replayed, one run
-after another, through three proxies, each in front of two fresh simulated
+after another, through these proxies, each in front of two fresh simulated
 replicas (``admission-proxy sim``, 4 seats each, 10 ms per output token and no
 slowdown with batch size, so a request's seat time is its token count):
 
@@ -12,21 +12,32 @@ slowdown with batch size, so a request's seat time is its token count):
 - ``today``: the proxy of ``--today`` (by default ``TODAY_REVISION``, the last
   revision whose estimator took a tenant's last 64 dispatches, however old,
   as its drain rate), exported with ``git archive`` and run the same way;
-- ``again``: ``normal`` once more. The requests one run refused and the other
-  served (``noise``) are the per-request comparison's own noise on this
-  machine: what a perfect estimator would still be charged with.
+- ``again`` and ``twin_again``: ``normal`` and the twin once more. The
+  requests one run of ``normal`` refused and the other served (``noise``) are
+  the per-request comparison's own noise on this machine: what a perfect
+  estimator would still be charged with. ``consistent`` counts the requests
+  both runs of ``normal`` refused and both twins served, beside (never
+  instead of) the issue's one-run figure.
 
 A refusal ``predicted_wait_exceeds_budget`` is *false* when the twin served
 the same request (same index in the replay) with a 200, that is within its
 queue budget. Scenarios: a burst after a quiet period and a replica loss
-(the issue's reproduction, time compressed), 1x load with 3x service-time
-variation, and a replica lost under steady load.
+(the issue's reproduction, time compressed; 0 allowed), 1x load with 3x
+service-time variation and a replica loss that the replica left can carry
+(0.9x of it; at most 1% each), and a replica loss into 1.4x overload, where a
+fifth of the arrivals must fail whoever picks them: read by count
+(``served_minus_twin``), not per request.
+
+"1x" is the capacity under load: before the scenarios, 10-token requests are
+kept queued behind all 8 seats (``backlog``) and the answers per second
+while every seat is busy set the loads. A request alone holds its seat about
+7% less time than under load, so a load set from that made "1x" an overload.
 
 The same arrivals also go through the dispatcher alone on a fake clock
 (``bench.false_refusals_virtual``), where only the estimator differs between
-the three.
+normal, twin and today.
 
-    python -m bench.false_refusals [--quick] [--output PATH]
+    python -m bench.false_refusals [--quick] [--scenarios ...] [--variants ...] [--trace DIR]
 
 Every loop is bounded: arrivals stop at the schedule's end, each request has
 a client timeout, and waits for servers are bounded. The proxies, the
