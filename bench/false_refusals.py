@@ -31,7 +31,7 @@ fifth of the arrivals must fail whoever picks them: read by count
 "1x" is the capacity under load: before the scenarios, 10-token requests are
 kept queued behind all 8 seats (``backlog``) and the answers per second
 while every seat is busy set the loads. A request alone holds its seat about
-7% less time than under load, so a load set from that made "1x" an overload.
+4 to 6% less time than under load, so a load set from that made "1x" an overload.
 
 The same arrivals also go through the dispatcher alone on a fake clock
 (``bench.false_refusals_virtual``), where only the estimator differs between
@@ -84,7 +84,7 @@ VARIANTS = ("normal", "twin", "today", "again", "twin_again")
 VIRTUAL_VARIANTS = ("normal", "twin", "today")
 CALIBRATION_REQUESTS = 20
 #: The backlog calibration: this many requests of 10 tokens from twice as many
-#: clients as there are seats, each sending its next when its last one ends.
+#: clients as the two replicas have seats, each sending its next when its last ends.
 BACKLOG_REQUESTS = 320
 BACKLOG_CLIENTS = 4 * SEATS
 VIRTUAL_TIMEOUT_S = 120.0
