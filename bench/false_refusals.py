@@ -701,7 +701,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.false_refusals", description=__doc__)
     parser.add_argument(
         "--quick", action="store_true",
-        help="shorter scenarios, normal and twin only (no 'today', no repeats): about a minute",
+        help="shorter scenarios, normal and twin only (no 'today', no repeats): a minute or two",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--today", default=TODAY_REVISION, help="revision measured as 'today'")
