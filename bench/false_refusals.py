@@ -1,7 +1,7 @@
 """False refusals: does predictive rejection refuse work that would have fit?
 
 Each scenario's arrivals are generated once (seeded) and replayed, one run
-after another, through three proxies, each in front of two fresh simulated
+after another, through these proxies, each in front of two fresh simulated
 replicas (``admission-proxy sim``, 4 seats each, 10 ms per output token and no
 slowdown with batch size, so a request's seat time is its token count):
 
@@ -12,21 +12,32 @@ slowdown with batch size, so a request's seat time is its token count):
 - ``today``: the proxy of ``--today`` (by default ``TODAY_REVISION``, the last
   revision whose estimator took a tenant's last 64 dispatches, however old,
   as its drain rate), exported with ``git archive`` and run the same way;
-- ``again``: ``normal`` once more. The requests one run refused and the other
-  served (``noise``) are the per-request comparison's own noise on this
-  machine: what a perfect estimator would still be charged with.
+- ``again`` and ``twin_again``: ``normal`` and the twin once more. The
+  requests one run of ``normal`` refused and the other served (``noise``) are
+  the per-request comparison's own noise on this machine: what a perfect
+  estimator would still be charged with. ``consistent`` counts the requests
+  both runs of ``normal`` refused and both twins served, beside (never
+  instead of) the issue's one-run figure.
 
 A refusal ``predicted_wait_exceeds_budget`` is *false* when the twin served
 the same request (same index in the replay) with a 200, that is within its
 queue budget. Scenarios: a burst after a quiet period and a replica loss
-(the issue's reproduction, time compressed), 1x load with 3x service-time
-variation, and a replica lost under steady load.
+(the issue's reproduction, time compressed; 0 allowed), 1x load with 3x
+service-time variation and a replica loss that the replica left can carry
+(0.9x of it; at most 1% each), and a replica loss into 1.4x overload, where a
+fifth of the arrivals must fail whoever picks them: read by count
+(``served_minus_twin``), not per request.
+
+"1x" is the capacity under load: before the scenarios, 10-token requests are
+kept queued behind all 8 seats (``backlog``) and the answers per second
+while every seat is busy set the loads. A request alone holds its seat about
+4 to 6% less time than under load, so a load set from that made "1x" an overload.
 
 The same arrivals also go through the dispatcher alone on a fake clock
 (``bench.false_refusals_virtual``), where only the estimator differs between
-the three.
+normal, twin and today.
 
-    python -m bench.false_refusals [--quick] [--output PATH]
+    python -m bench.false_refusals [--quick] [--scenarios ...] [--variants ...] [--trace DIR]
 
 Every loop is bounded: arrivals stop at the schedule's end, each request has
 a client timeout, and waits for servers are bounded. The proxies, the
@@ -45,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,15 +79,19 @@ START_TIMEOUT_S = 20.0
 EJECT_TIMEOUT_S = 10.0
 REFUSED = "predicted_wait_exceeds_budget"
 QUEUE_TIMEOUT = "queue_timeout"
-VARIANTS = ("normal", "twin", "today", "again")
+VARIANTS = ("normal", "twin", "today", "again", "twin_again")
 #: The fake clock is deterministic: a second run of ``normal`` there is the first.
 VIRTUAL_VARIANTS = ("normal", "twin", "today")
 CALIBRATION_REQUESTS = 20
+#: The backlog calibration: this many requests of 10 tokens from twice as many
+#: clients as the two replicas have seats, each sending its next when its last ends.
+BACKLOG_REQUESTS = 320
+BACKLOG_CLIENTS = 4 * SEATS
 VIRTUAL_TIMEOUT_S = 120.0
 #: Seeds of the fake-clock replays in a full run, and their seat time for 10 tokens.
 VIRTUAL_SEEDS = 5
 VIRTUAL_SEAT_S = 10 * TOKEN_MS / 1000
-SCENARIOS = ("burst_after_idle", "variation_1x", "replica_loss")
+SCENARIOS = ("burst_after_idle", "variation_1x", "replica_loss", "replica_loss_overload")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,15 +187,35 @@ def variation_1x(quick: bool, seed: int, seat_s: float) -> Scenario:
 
 
 def replica_loss(quick: bool, seed: int, seat_s: float) -> Scenario:
-    """Two tenants at 0.7x of two replicas; one replica is killed a third of the way in."""
+    """Two tenants at 0.9x of ONE replica; one of the two is killed a third of the way in.
+
+    The replica left can carry the load, so every refusal after the loss is
+    work that would have fit: the ideal is none, and the issue's 1% target is
+    judged here.
+    """
+    return _replica_loss("replica_loss", 0.9 / 2, quick, seed, seat_s)
+
+
+def replica_loss_overload(quick: bool, seed: int, seat_s: float) -> Scenario:
+    """Two tenants at 0.7x of two replicas, so 1.4x of the one left after the kill.
+
+    A fifth of the arrivals after the loss cannot be served by anyone: which
+    ones turns on milliseconds, so a per-request count is mostly the
+    comparison's noise here; ``served_minus_twin`` is the figure to read.
+    """
+    return _replica_loss("replica_loss_overload", 0.7, quick, seed, seat_s)
+
+
+def _replica_loss(name: str, of_two: float, quick: bool, seed: int, seat_s: float) -> Scenario:
     rng = random.Random(f"loss:{seed}")
     seconds = 3.0 if quick else 20.0
-    rate = round(0.7 * 2 * SEATS / seat_s, 1)
+    rate = round(of_two * 2 * SEATS / seat_s, 1)
     arrivals = [Arrival(t, rng.randrange(2), 10) for t in _poisson(rng, rate, seconds)]
     return Scenario(
-        "replica_loss",
-        f"{seconds:g} s of Poisson arrivals at {rate:g}/s (0.7x of two replicas, 1.4x of one), "
-        f"two tenants, 10 tokens each, one replica killed at {seconds / 3:.3g} s; queue_ms 1000",
+        name,
+        f"{seconds:g} s of Poisson arrivals at {rate:g}/s ({of_two:.2g}x of two replicas, "
+        f"{2 * of_two:.2g}x of one), two tenants, 10 tokens each, one replica killed at "
+        f"{seconds / 3:.3g} s; queue_ms 1000",
         tuple(arrivals),
         queue_ms=1000,
         tenants=2,
@@ -189,16 +224,24 @@ def replica_loss(quick: bool, seed: int, seat_s: float) -> Scenario:
 
 
 def calibration() -> Scenario:
-    """Requests of the mean size (10 tokens) one at a time: their latency is the seat time."""
+    """Requests of the mean size (10 tokens) one at a time: their latency is the seat
+    time of a request alone (reported; the load is set from ``backlog`` below)."""
     arrivals = tuple(Arrival(0.2 * i, 0, 10) for i in range(CALIBRATION_REQUESTS))
     return Scenario("calibration", "", arrivals, queue_ms=1000, tenants=1)
 
 
+def backlog_calibration() -> Scenario:
+    """Requests of 10 tokens kept queued behind all the seats (``backlog``)."""
+    return Scenario("backlog", "", (), queue_ms=10000, tenants=1)
+
+
 def scenarios(quick: bool, seed: int, seat_s: float) -> list[Scenario]:
+    """Every scenario; ``seat_s``: the seat time of 10 tokens that sets their loads."""
     return [
         burst_after_idle(quick),
         variation_1x(quick, seed, seat_s),
         replica_loss(quick, seed, seat_s),
+        replica_loss_overload(quick, seed, seat_s),
     ]
 
 
@@ -289,10 +332,61 @@ async def replay(
     return run
 
 
-async def run_variant(
-    variant: str, scenario: Scenario, workdir: Path, today_tree: Path, trace: Path | None = None
+async def backlog(
+    session: aiohttp.ClientSession, proxy: Server, sims: list[Server], scenario: Scenario
 ) -> Run:
-    """Fresh replicas and a fresh proxy of ``variant``; replay; stop them all.
+    """``BACKLOG_REQUESTS`` of 10 tokens from ``BACKLOG_CLIENTS`` closed-loop clients.
+
+    With more clients than seats the proxy's queue never empties, so each
+    freed seat is taken again at once: the outcomes' ``latency_s`` hold each
+    answer's end (seconds from the start), from which ``served_per_second``
+    reads the throughput the seats sustain under load, every seat busy.
+    """
+    run = Run("")
+    start = time.monotonic()
+    sent = 0
+
+    async def client() -> None:
+        nonlocal sent
+        while sent < BACKLOG_REQUESTS:
+            index, sent = sent, sent + 1
+            outcome = Outcome()
+            run.outcomes.append(outcome)
+            await _send(session, proxy.url, Arrival(0.0, 0, 10), index, outcome)
+            outcome.latency_s = time.monotonic() - start
+
+    await asyncio.wait_for(
+        asyncio.gather(*(client() for _ in range(BACKLOG_CLIENTS))),
+        timeout=BACKLOG_REQUESTS * CLIENT_TIMEOUT_S / BACKLOG_CLIENTS,
+    )
+    run.wall_s = time.monotonic() - start
+    return run
+
+
+def served_per_second(run: Run) -> float:
+    """Answers per second while the backlog lasted (a ``backlog`` run).
+
+    The first and last ``BACKLOG_CLIENTS`` answers are left out: before them
+    the seats were filling, after them the queue was draining.
+    """
+    ends = sorted(o.latency_s for o in run.outcomes if o.status == 200)
+    middle = ends[BACKLOG_CLIENTS : len(ends) - BACKLOG_CLIENTS]
+    if len(middle) < 2 or middle[-1] <= middle[0]:
+        raise RuntimeError(f"the backlog calibration served too few requests: {len(ends)}")
+    return (len(middle) - 1) / (middle[-1] - middle[0])
+
+
+async def run_variant(
+    variant: str,
+    scenario: Scenario,
+    workdir: Path,
+    today_tree: Path,
+    trace: Path | None = None,
+    drive: Callable[
+        [aiohttp.ClientSession, Server, list[Server], Scenario], Awaitable[Run]
+    ] = replay,
+) -> Run:
+    """Fresh replicas and a fresh proxy of ``variant``; ``drive`` (``replay``); stop them all.
 
     ``trace``: a folder where the proxy writes each ticket's predicted and
     realised wait (``bench.false_refusals_trace``), one file per run."""
@@ -316,7 +410,7 @@ async def run_variant(
             argv = [sys.executable, "-P", "-m", "bench.false_refusals", "--serve", str(config),
                     "--port", str(port)]  # fmt: skip
             path = [str(ROOT)]
-            if variant == "twin":
+            if variant in ("twin", "twin_again"):
                 argv.append("--twin")
             if trace is not None and variant != "today":
                 argv += ["--trace", str(trace / f"{scenario.name}-{variant}.jsonl")]
@@ -325,7 +419,7 @@ async def run_variant(
             proxy_env = {**env, "PYTHONPATH": os.pathsep.join(path)}
             proxy = start_server(f"proxy-{variant}", argv, port, "/readyz", workdir, proxy_env)
             await wait_ready(session, proxy, START_TIMEOUT_S)
-            run = await replay(session, proxy, sims, scenario)
+            run = await drive(session, proxy, sims, scenario)
             run.variant = variant
             return run
         finally:
@@ -403,6 +497,12 @@ def summarize(scenario: Scenario, runs: dict[str, Run], note: str = "") -> dict[
         }
     if "again" in runs:
         row["noise"] = noise(runs["normal"], runs["again"])
+    if "twin_again" in runs:
+        row["twin_noise"] = twin_noise(runs["twin"], runs["twin_again"])
+    if "again" in runs and "twin_again" in runs:
+        row["consistent"] = consistent(
+            (runs["normal"], runs["again"]), (runs["twin"], runs["twin_again"])
+        )
     return row
 
 
@@ -432,12 +532,66 @@ def noise(first: Run, second: Run) -> dict[str, Any]:
     }
 
 
+def twin_noise(first: Run, second: Run) -> dict[str, Any]:
+    """The twin's own noise: requests one run of the twin served and the other did not
+    (each way; the mean of both, in percent of the requests)."""
+    requests = len(first.outcomes)
+
+    def served_there_not_here(there: Run, here: Run) -> int:
+        return sum(
+            1
+            for a, b in zip(there.outcomes, here.outcomes, strict=True)
+            if a.status == 200 and b.status != 200
+        )
+
+    one, two = served_there_not_here(first, second), served_there_not_here(second, first)
+    return {
+        "served_first_not_second": one,
+        "served_second_not_first": two,
+        "noise_pct": 100.0 * (one + two) / 2 / requests,
+    }
+
+
+def consistent(normals: Sequence[Run], twins: Sequence[Run]) -> dict[str, Any]:
+    """False refusals that every repeat agrees on: refused by each run of ``normal``
+    and served by each run of the twin.
+
+    Not the issue's definition (one run against one twin, ``summarize``), which
+    it does not replace: a request that timing alone moves from one side of the
+    budget to the other drops out of this count, so what is left is what the
+    estimator refused whatever the machine's timing did.
+    """
+    requests = len(twins[0].outcomes)
+    count = sum(
+        1
+        for i in range(requests)
+        if all(run.outcomes[i].reason == REFUSED for run in normals)
+        and all(run.outcomes[i].status == 200 for run in twins)
+    )
+    return {"false_refusals": count, "false_refusal_pct": 100.0 * count / requests}
+
+
+#: The scenarios whose false refusals are judged, and the most allowed (percent of
+#: requests). ``replica_loss_overload`` is not among them: at 1.4x of the replica
+#: left, a fifth of its arrivals must fail, and which fifth is the machine's timing.
+FALSE_REFUSAL_LIMIT_PCT = {"burst_after_idle": 0.0, "variation_1x": 1.0, "replica_loss": 1.0}
+#: ``replica_loss_overload`` is read by count: the normal proxy serves no fewer
+#: than the twin, less this share of the requests.
+SERVED_SHORTFALL_LIMIT_PCT = 1.0
+
+
 def judge(row: dict[str, Any]) -> dict[str, bool]:
-    """Targets: no false refusal on a burst after idle, at most 1% elsewhere, and
-    no more queue timeouts than today."""
+    """Targets: no false refusal on a burst after idle, at most 1% at 1x load and
+    after a replica loss the replica left can carry, no more queue timeouts than
+    today; after a loss into overload, served within 1% of the twin's count."""
     normal = row["normal"]
-    limit = 0.0 if row["scenario"] == "burst_after_idle" else 1.0
-    verdict = {"false_refusals": normal["false_refusal_pct"] <= limit}
+    verdict = {}
+    limit = FALSE_REFUSAL_LIMIT_PCT.get(row["scenario"])
+    if limit is not None:
+        verdict["false_refusals"] = normal["false_refusal_pct"] <= limit
+    else:
+        shortfall = -normal["served_minus_twin"]
+        verdict["served_vs_twin"] = shortfall <= SERVED_SHORTFALL_LIMIT_PCT / 100 * row["requests"]
     if "today" in row:
         verdict["queue_timeouts"] = normal["queue_timeouts"] <= row["today"]["queue_timeouts"]
     return verdict
@@ -455,7 +609,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                 continue
             v = row[variant]
             false = (
-                "n/a" if variant == "twin"
+                "n/a" if variant in ("twin", "twin_again")
                 else f"{v['false_refusals']} ({v['false_refusal_pct']:.1f}%)"
             )  # fmt: skip
             lines.append(
@@ -476,13 +630,21 @@ async def bench(
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     virtual_rows: list[dict[str, Any]] = []
-    seat_s = 0.0
     with tempfile.TemporaryDirectory(prefix="false-refusals-") as tmp:
         workdir = Path(tmp)
         today_tree = export_today(today_rev, workdir / "today")
-        calibrated = await run_variant("normal", calibration(), workdir, today_tree)
-        seat_s = statistics.median(o.latency_s for o in calibrated.outcomes if o.status == 200)
-        print(f"  seat time of a 10-token request: {seat_s * 1000:.1f} ms", file=sys.stderr)
+        alone = await run_variant("normal", calibration(), workdir, today_tree)
+        alone_s = statistics.median(o.latency_s for o in alone.outcomes if o.status == 200)
+        loaded = await run_variant("twin", backlog_calibration(), workdir, today_tree,
+                                   drive=backlog)  # fmt: skip
+        served = served_per_second(loaded)
+        # What sets the loads: the seat time under load, every seat busy.
+        seat_s = 2 * SEATS / served
+        print(
+            f"  10-token requests: {alone_s * 1000:.1f} ms alone; under a backlog "
+            f"{served:.1f}/s served, {seat_s * 1000:.1f} ms a seat",
+            file=sys.stderr,
+        )
         if quick:
             variants = [v for v in variants if v in ("normal", "twin")]
         for scenario in scenarios(quick, seed, seat_s):
@@ -511,6 +673,8 @@ async def bench(
         "revision": revision(),
         "today_revision": None if quick else today_rev,
         "seat_time_10_tokens_ms": seat_s * 1000,
+        "seat_time_10_tokens_alone_ms": alone_s * 1000,
+        "served_per_second_under_backlog": served,
         "machine": machine("load generator, proxies and simulated replicas share the same CPUs"),
         "scenarios": rows,
         "virtual": virtual_rows,
@@ -537,7 +701,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.false_refusals", description=__doc__)
     parser.add_argument(
         "--quick", action="store_true",
-        help="shorter scenarios, normal and twin only (no 'today', no 'again'): under a minute",
+        help="shorter scenarios, normal and twin only (no 'today', no repeats): a minute or two",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--today", default=TODAY_REVISION, help="revision measured as 'today'")
@@ -583,6 +747,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{title} {row['scenario']}: refused by one run of normal and served by the "
                     f"other: {n['refused_first_served_second']} and "
                     f"{n['refused_second_served_first']} ({n['noise_pct']:.1f}%)"
+                )
+            if "twin_noise" in row:
+                n = row["twin_noise"]
+                print(
+                    f"{title} {row['scenario']}: served by one run of the twin and not the other: "
+                    f"{n['served_first_not_second']} and {n['served_second_not_first']} "
+                    f"({n['noise_pct']:.1f}%)"
+                )
+            if "consistent" in row:
+                c = row["consistent"]
+                print(
+                    f"{title} {row['scenario']}: refused by both runs of normal and served by "
+                    f"both runs of the twin (not the issue's definition): {c['false_refusals']} "
+                    f"({c['false_refusal_pct']:.1f}%)"
                 )
     print(f"written to {args.output}")
     return 0

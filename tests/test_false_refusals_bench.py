@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.false_refusals import QUEUE_TIMEOUT, REFUSED, Outcome, Run, noise
+from bench.false_refusals import (
+    BACKLOG_CLIENTS,
+    QUEUE_TIMEOUT,
+    REFUSED,
+    Outcome,
+    Run,
+    consistent,
+    judge,
+    noise,
+    served_per_second,
+    twin_noise,
+)
 from bench.false_refusals_trace import install, summary
 from proxy.admitted import Deadline
 from proxy.clock import FakeClock
@@ -38,6 +50,79 @@ def test_noise_counts_what_one_run_refused_and_the_other_served() -> None:
     }
     assert noise(first, first)["noise_pct"] == 0.0
     assert noise(_run(refused), _run(timed_out))["noise_pct"] == 0.0  # not served either way
+
+
+def test_the_twins_noise_counts_what_one_twin_served_and_the_other_did_not() -> None:
+    """Twin runs differing on two of four requests, one each way: 25%."""
+    served, timed_out = (200, ""), (503, QUEUE_TIMEOUT)
+    first = _run(served, served, timed_out, timed_out)
+    second = _run(served, timed_out, served, timed_out)
+    assert twin_noise(first, second) == {
+        "served_first_not_second": 1,
+        "served_second_not_first": 1,
+        "noise_pct": 25.0,
+    }
+
+
+def test_a_consistent_false_refusal_is_refused_by_every_normal_and_served_by_every_twin() -> None:
+    """Five requests: only #0 is refused by both normals and served by both twins; #1 is
+    served by one normal, #2 timed out in one twin, #3 refused by both and served by
+    neither twin, #4 served everywhere."""
+    served, refused, timed_out = (200, ""), (503, REFUSED), (503, QUEUE_TIMEOUT)
+    normals = (
+        _run(refused, refused, refused, refused, served),
+        _run(refused, served, refused, refused, served),
+    )
+    twins = (
+        _run(served, served, served, timed_out, served),
+        _run(served, served, timed_out, timed_out, served),
+    )
+    assert consistent(normals, twins) == {"false_refusals": 1, "false_refusal_pct": 20.0}
+    # One run each: the issue's own definition, every refusal the twin served.
+    assert consistent(normals[:1], twins[:1])["false_refusals"] == 3
+
+
+def test_the_backlog_throughput_leaves_out_the_fill_and_the_drain() -> None:
+    """Answers every 0.1 s while the backlog lasts, with a slow fill before and a slow
+    drain after (one per second): the rate read is the 10 per second in between."""
+    fill = [float(i) for i in range(BACKLOG_CLIENTS)]
+    steady = [BACKLOG_CLIENTS + 0.1 * i for i in range(50)]
+    drain = [steady[-1] + 1.0 + i for i in range(BACKLOG_CLIENTS)]
+    run = Run("twin", [Outcome(200, "", end) for end in fill + steady + drain])
+    run.outcomes.append(Outcome(503, QUEUE_TIMEOUT, 0.5))  # not an answer served
+    assert served_per_second(run) == pytest.approx(10.0)
+    with pytest.raises(RuntimeError, match="too few"):
+        served_per_second(Run("twin", [Outcome(200, "", 1.0)] * (2 * BACKLOG_CLIENTS)))
+
+
+def _row(scenario: str, requests: int, false: int, served_minus_twin: int) -> dict[str, Any]:
+    normal = {
+        "false_refusal_pct": 100.0 * false / requests,
+        "served_minus_twin": served_minus_twin,
+        "queue_timeouts": 0,
+    }
+    return {"scenario": scenario, "requests": requests, "normal": normal}
+
+
+@pytest.mark.parametrize(
+    ("scenario", "false", "served_minus_twin", "verdict"),
+    [
+        ("burst_after_idle", 0, 0, {"false_refusals": True}),
+        ("burst_after_idle", 1, 0, {"false_refusals": False}),
+        ("variation_1x", 10, -10, {"false_refusals": True}),
+        ("variation_1x", 11, -11, {"false_refusals": False}),
+        ("replica_loss", 11, 0, {"false_refusals": False}),
+        ("replica_loss_overload", 60, -10, {"served_vs_twin": True}),
+        ("replica_loss_overload", 0, -11, {"served_vs_twin": False}),
+    ],
+)
+def test_each_scenario_is_judged_on_its_own_target(
+    scenario: str, false: int, served_minus_twin: int, verdict: dict[str, bool]
+) -> None:
+    """Of 1000 requests: none falsely refused on the burst, at most 10 at 1x and after a
+    loss the replica left carries; after a loss into overload, no per-request target
+    but at most 10 fewer served than the twin."""
+    assert judge(_row(scenario, 1000, false, served_minus_twin)) == verdict
 
 
 async def test_the_trace_writes_each_tickets_prediction_and_fate(tmp_path: Path) -> None:
