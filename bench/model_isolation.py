@@ -138,6 +138,12 @@ ARRANGEMENTS = {
         "and the flood's client yield to the proxy, as on a GPU host they do not take its CPU)",
         (*NICE, "taskset", "-c", "0"), (*NICE, "taskset", "-c", "1"), None, 19,
     ),
+    "own-device": Arrangement(
+        "model-b's engine alone on CPU 1 (its own device); model-a's engine and A's flood "
+        "client on CPU 0 at nice 19, with the proxy and B's client at nice 0 (A's engine "
+        "and the flood yield to the proxy, as on a GPU host they do not take its CPU)",
+        (*NICE, "taskset", "-c", "0"), ("taskset", "-c", "1"), frozenset({0}), 19,
+    ),
 }  # fmt: skip
 
 
