@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from proxy.admin import add_admin_routes
 from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
-from proxy.entrance import handle
+from proxy.entrance import SERVER_HEADER, handle
 from proxy.health import Health
 from proxy.models import ModelTable
 from proxy.quotas import EntranceQuotas
@@ -47,6 +47,13 @@ from proxy.token_quota import TokenQuotas
 from proxy.upstream import make_session
 
 SessionFactory = Callable[[Config], aiohttp.ClientSession]
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Name the product, not aiohttp's and Python's versions (aiohttp's default tells a
+    scanner which known bugs to try). A relayed answer keeps the engine's own header."""
+    if "Server" not in response.headers:
+        response.headers["Server"] = SERVER_HEADER
 
 
 def _default_session(config: Config) -> aiohttp.ClientSession:
@@ -192,6 +199,7 @@ def build_app(
     )
     # The entrance enforces max_body_bytes itself, with the contract's 413 answer.
     app = web.Application(client_max_size=config.server.max_body_bytes + 1)
+    app.on_response_prepare.append(_server_header)
     app[RUNTIME] = runtime
     reloader = app[RELOADER] = Reloader(runtime, config_path) if config_path else None
     factory = session_factory or _default_session

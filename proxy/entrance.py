@@ -90,6 +90,11 @@ def retry_after_header(seconds: float) -> str:
     return str(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(seconds))))
 
 
+#: The ``Server`` header of the proxy's own answers: the product, no versions (the app
+#: sets it on the rest: ``app._server_header``).
+SERVER_HEADER = "admission-proxy"
+
+
 def error_response(
     err: ProxyError, record: RequestRecord, extra: dict[str, str] | None = None
 ) -> web.Response:
@@ -104,7 +109,12 @@ def error_answer(
 ) -> web.Response:
     """Section 6's error answer: the JSON body, ``X-Request-Id``, ``X-Admission-Reason``."""
     body = {"error": {"message": err.message, "type": "admission_error", "code": err.reason}}
-    headers = {**(headers or {}), "X-Request-Id": request_id, "X-Admission-Reason": err.reason}
+    headers = {
+        **(headers or {}),
+        "X-Request-Id": request_id,
+        "X-Admission-Reason": err.reason,
+        "Server": SERVER_HEADER,
+    }
     if isinstance(err, TokenQuotaExceeded) and err.window == "day":
         # Until 00:00 UTC: the one Retry-After that may exceed 60 s.
         headers["Retry-After"] = str(max(RETRY_AFTER_MIN_S, math.ceil(err.retry_after_s or 1.0)))

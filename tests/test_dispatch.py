@@ -235,7 +235,7 @@ async def test_a_wait_near_the_budget_is_judged_with_the_seat_times_spread(
     times (100 ms each) end the tenth release at 1.0 s, so the ticket is admitted; seat
     times of 50 and 150 ms (the same mean, a spread of half of it) end it at 1.0 s
     give or take 0.16 s, about one time in three too late, so it is refused with the
-    wait it was judged by: one standard deviation over the mean."""
+    wait it was judged by: half a standard deviation over the mean (1.08 s)."""
     clock = FakeClock()
     limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
     d = make_dispatcher(clock, limits=limits)
@@ -251,7 +251,7 @@ async def test_a_wait_near_the_budget_is_judged_with_the_seat_times_spread(
     if spread:
         with pytest.raises(PredictedWaitExceedsBudget) as info:
             enqueue(d, clock, "a", budgets=budgets)
-        assert info.value.retry_after_s == pytest.approx(1.0 * (1 + 0.5 / 10**0.5), rel=0.01)
+        assert info.value.retry_after_s == pytest.approx(1.0 * (1 + 0.5 * 0.5 / 10**0.5), rel=0.01)
     else:
         accepted.append(enqueue(d, clock, "a", budgets=budgets))
     d.close()

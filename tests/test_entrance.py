@@ -172,6 +172,24 @@ async def test_reserved_paths_are_not_proxied(
     assert upstream_state.seen == []
 
 
+async def test_the_proxys_own_answers_name_no_versions_and_relayed_ones_keep_the_engines(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """aiohttp's default ``Server: Python/3.x aiohttp/3.x`` tells a scanner which
+    known bugs to try: the proxy's own answers, errors and successes, say
+    ``admission-proxy``; a relayed answer carries the engine's own header."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    refused = await proxy.client.get("/x")  # no key: 401
+    assert refused.status == 401
+    for resp in (refused, await proxy.client.get("/healthz"), await proxy.client.get("/metrics")):
+        assert resp.headers["Server"] == "admission-proxy"
+    relayed = await proxy.client.post(CHAT, json={}, headers=AUTH)
+    assert relayed.status == 200
+    async with proxy.client.session.get(upstream_url + "/health") as direct:
+        engine = direct.headers["Server"]
+    assert relayed.headers["Server"] == engine != "admission-proxy"
+
+
 async def test_paths_under_a_route_are_proxied_to_the_replica(
     start_proxy: Start, upstream_url: str, upstream_state: Upstream
 ) -> None:

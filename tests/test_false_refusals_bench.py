@@ -125,6 +125,27 @@ def test_each_scenario_is_judged_on_its_own_target(
     assert judge(_row(scenario, 1000, false, served_minus_twin)) == verdict
 
 
+@pytest.mark.parametrize(
+    ("timeouts", "passed"),
+    [
+        ({"normal": 1, "today": 0}, False),
+        ({"normal": 0, "today": 0}, True),
+        ({"normal": 1, "again": 0, "today": 0, "today_again": 1}, True),
+        ({"normal": 2, "again": 0, "today": 1, "today_again": 0}, False),
+        ({"normal": 0, "again": 3, "today": 1, "today_again": 1}, False),
+    ],
+)
+def test_queue_timeouts_are_judged_on_both_rounds_where_both_ran(
+    timeouts: dict[str, int], passed: bool
+) -> None:
+    """Normal and again against today and today_again, summed; one round alone where
+    the second did not run."""
+    row = _row("variation_1x", 1000, 0, 0)
+    for variant, count in timeouts.items():
+        row.setdefault(variant, {})["queue_timeouts"] = count
+    assert judge(row)["queue_timeouts"] is passed
+
+
 async def test_the_trace_writes_each_tickets_prediction_and_fate(tmp_path: Path) -> None:
     """One seat of 0.1 s, warmed so the estimator predicts, then a slow request: an
     immediate grant, a queued ticket granted after 0.3 s (0.1 s predicted), one that

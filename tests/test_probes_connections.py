@@ -244,6 +244,7 @@ async def test_malformed_requests_get_the_proxys_answer_and_no_key_is_echoed_or_
             assert answer.headers["Content-Type"].startswith("application/json"), name
             assert REQUEST_ID.fullmatch(answer.headers["X-Request-Id"]), name
             assert answer.json() == BAD_REQUEST_BODY, name
+            assert answer.headers["Server"] == "admission-proxy", name  # no versions
             ids[answer.headers["X-Request-Id"]] = name
         assert len(ids) == len(MALFORMED), "every answer has its own request id"
         # A broken chunk after a good head: the head is handed on first (the proxy sends
