@@ -71,7 +71,7 @@ def wait_refusal(predicted_s: float | None, budget_s: float) -> ProxyError | Non
     if predicted_s is None or predicted_s <= budget_s:
         return None
     return PredictedWaitExceedsBudget(
-        f"predicted wait {predicted_s * 1000:.0f} ms exceeds the queue budget of "
+        f"expected wait {predicted_s * 1000:.0f} ms exceeds the queue budget of "
         f"{budget_s * 1000:.0f} ms",
         retry_after_s=predicted_s,
     )

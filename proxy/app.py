@@ -18,6 +18,7 @@ from typing import TextIO
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
 from opentelemetry.sdk.trace import TracerProvider
 
 from proxy.admin import add_admin_routes
@@ -51,8 +52,10 @@ SessionFactory = Callable[[Config], aiohttp.ClientSession]
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     """Name the product, not aiohttp's and Python's versions (aiohttp's default tells a
-    scanner which known bugs to try). A relayed answer keeps the engine's own header."""
-    if "Server" not in response.headers:
+    scanner which known bugs to try). aiohttp fills its default in before this hook
+    runs, so the default is what is replaced; a relayed answer keeps the engine's own
+    header unless it is that same default (an engine on this aiohttp and Python)."""
+    if response.headers.get("Server") == SERVER_SOFTWARE:
         response.headers["Server"] = SERVER_HEADER
 
 

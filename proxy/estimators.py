@@ -68,12 +68,11 @@ class SeatTime:
         0.0875
     """
 
-    __slots__ = ("_cv", "_mean", "_samples", "count")
+    __slots__ = ("_mean", "_samples", "count")
 
     def __init__(self) -> None:
         self._samples: deque[float] = deque(maxlen=SEAT_TIME_WINDOW)
         self._mean: float | None = None
-        self._cv = 0.0
         #: Seat times recorded since start (the estimators fail open below a minimum).
         self.count = 0
 
@@ -88,20 +87,8 @@ class SeatTime:
         if self._mean is None and self._samples:
             ordered = sorted(self._samples)
             ceiling = STRAGGLER_FACTOR * ordered[len(ordered) // 2]
-            clipped = [min(s, ceiling) for s in ordered]
-            mean = self._mean = sum(clipped) / len(clipped)
-            spread = sum((s - mean) ** 2 for s in clipped) / len(clipped)
-            self._cv = math.sqrt(spread) / mean if mean > 0 else 0.0
+            self._mean = sum(min(s, ceiling) for s in ordered) / len(ordered)
         return self._mean
-
-    @property
-    def cv(self) -> float:
-        """The seat times' spread: standard deviation over the mean (0 before a sample).
-
-        Same samples, same clipping as ``mean_s``: the uncertainty of a wait
-        that is a sum of seat times (``waits.Waits.predict``).
-        """
-        return self._cv if self.mean_s is not None else 0.0
 
     def __repr__(self) -> str:
         mean = self.mean_s

@@ -30,13 +30,6 @@ DEFAULT_FREE_PLACE_S = 1.0
 #: The wait estimator fails open until it has seen this many dispatches end
 #: (their seat times), so a cold proxy never refuses on no data.
 MIN_DISPATCHES_TO_PREDICT = 20
-#: A ticket is admitted when its wait fits the budget with this many standard
-#: deviations of the seat times' spread to spare (``Waits.predict``): about seven
-#: in ten such tickets then get a seat in time, against one in two at the mean.
-#: One whole deviation refused more than it saved (fake clock, 1x with 3x
-#: variation: timeouts 2 to 0 either way, false refusals 44 to 44 at a half, to 51
-#: at one).
-SPREAD_Z = 0.5
 
 
 class Flow(NamedTuple):
@@ -145,26 +138,13 @@ class Waits:
     def predict(
         self, tenant: str, priority: str, now: float, model: str | None = None
     ) -> float | None:
-        """The queue wait a new ticket is judged by; None: no data.
+        """Expected queue wait of a new ticket under the fair-share rule; None: no data.
 
-        The expected wait (``estimate``) plus ``SPREAD_Z`` standard deviations
-        of it: a ticket admitted at an expected wait just under its budget
-        would time out about every other time, since the seats ahead free
-        after a sum of seat times that spread around their mean. ``n``
-        releases of seats whose times spread by ``cv`` (standard deviation
-        over mean) take their expected time give or take ``cv / sqrt(n)`` of
-        it, so the margin is large for a short wait of few long, mixed
-        requests and small for a long queue of alike ones. Fails open until
-        ``MIN_DISPATCHES_TO_PREDICT`` seat times are known.
+        Fails open until ``MIN_DISPATCHES_TO_PREDICT`` seat times are known.
         """
-        seat_time = self.seat_time_of(model)
-        if seat_time.count < MIN_DISPATCHES_TO_PREDICT:
+        if self.seat_time_of(model).count < MIN_DISPATCHES_TO_PREDICT:
             return None
-        expected = self._expected(tenant, priority, now, model)
-        if expected is None:
-            return None
-        wait, releases = expected
-        return wait * (1.0 + SPREAD_Z * seat_time.cv / math.sqrt(releases))
+        return self.estimate(tenant, priority, now, model)
 
     def retry_after_queue_timeout(
         self, tenant: str, priority: str, now: float, model: str | None = None
@@ -264,13 +244,6 @@ class Waits:
         Retries waiting for a seat (``reseating``) take one ahead of every
         queued ticket.
         """
-        expected = self._expected(tenant, priority, now, model)
-        return None if expected is None else expected[0]
-
-    def _expected(
-        self, tenant: str, priority: str, now: float, model: str | None
-    ) -> tuple[float, int] | None:
-        """``estimate``, and how many seat releases (or own turnovers) it waits for."""
         rates = self.drain_rates(tenant, priority, now, model)
         if rates is None:
             return None
@@ -279,13 +252,12 @@ class Waits:
         own = queue.depth_by_class(tenant, priority) + 1
         state = self._flow(tenant)
         if state.at_cap:
-            return own / flow, own
+            return own / flow
         capacity = self.capacity(model)
         assert capacity is not None  # known whenever the rates are
         queued = len(queue) + 1
         releases = min(own * capacity / flow, queued * capacity / whole) + state.reseating
-        n = max(1, math.ceil(releases - 1e-9))
-        return self._time_to_release(n, now, model), n
+        return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now, model)
 
     def _time_to_release(self, n: int, now: float, model: str | None = None) -> float:
         """When the serving seats will have freed ``n`` times, from what they run now.

@@ -218,49 +218,6 @@ async def test_predicted_wait_over_the_budget_is_refused_at_once() -> None:
     d.finish(holder, seat)
 
 
-async def _warm_spread(d: Dispatcher, clock: FakeClock, n: int) -> None:
-    """``n`` requests one after another, holding their seat 50 and 150 ms in turn."""
-    for i in range(n):
-        t = enqueue(d, clock, "a")
-        seat = await d.wait(t)
-        clock.advance(0.05 if i % 2 else 0.15)
-        d.finish(t, seat)
-
-
-@pytest.mark.parametrize("spread", [False, True])
-async def test_a_wait_near_the_budget_is_judged_with_the_seat_times_spread(
-    spread: bool,
-) -> None:
-    """Ten seat releases of 100 ms on average ahead, a budget of 1.05 s: alike seat
-    times (100 ms each) end the tenth release at 1.0 s, so the ticket is admitted; seat
-    times of 50 and 150 ms (the same mean, a spread of half of it) end it at 1.0 s
-    give or take 0.16 s, about one time in three too late, so it is refused with the
-    wait it was judged by: half a standard deviation over the mean (1.08 s)."""
-    clock = FakeClock()
-    limits = {"a": TenantLimits(max_concurrency=None, queue_capacity=100)}
-    d = make_dispatcher(clock, limits=limits)
-    if spread:
-        await _warm_spread(d, clock, 32)
-    else:
-        await _warm(d, clock, 32, held_s=0.1)
-    holder = enqueue(d, clock, "a")
-    seat = await d.wait(holder)
-    budgets = BudgetsConfig(queue_ms=1050, first_byte_ms=1000, total_ms=5000)
-    accepted = [enqueue(d, clock, "a", budgets=budgets) for _ in range(9)]
-    assert d.waits.estimate("a", "standard", clock.now()) == pytest.approx(1.0, rel=0.01)
-    if spread:
-        with pytest.raises(PredictedWaitExceedsBudget) as info:
-            enqueue(d, clock, "a", budgets=budgets)
-        assert info.value.retry_after_s == pytest.approx(1.0 * (1 + 0.5 * 0.5 / 10**0.5), rel=0.01)
-    else:
-        accepted.append(enqueue(d, clock, "a", budgets=budgets))
-    d.close()
-    for t in accepted:
-        with pytest.raises(ShuttingDown, match="shutting down"):
-            await d.wait(t)
-    d.finish(holder, seat)
-
-
 async def test_prediction_uses_the_fair_share_of_the_flow() -> None:
     """With a second class backlogged, a batch request's estimate stretches by its share."""
     clock = FakeClock()

@@ -73,7 +73,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
                 "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
             }  # fmt: skip
             state.completed += 1
-            return web.json_response(answer)
+            return web.json_response(answer, headers={"Server": ENGINE_SERVER})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b": keep-alive\n\n")
@@ -111,6 +111,8 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response({"error": {"message": f"status {code}"}}, status=code)
 
 
+#: The ``Server`` header of a non-streamed chat answer: an engine's own.
+ENGINE_SERVER = "test-engine/1.0"
 #: The proxy's own traffic (probes, warm-up) is not what the tests look for.
 PROXY_OWN = frozenset({"/health", "/v1/models"})
 
