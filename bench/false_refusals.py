@@ -603,7 +603,8 @@ def judge(row: dict[str, Any]) -> dict[str, bool]:
         shortfall = -normal["served_minus_twin"]
         verdict["served_vs_twin"] = shortfall <= SERVED_SHORTFALL_LIMIT_PCT / 100 * row["requests"]
     if "today" in row:
-        ours, theirs = ("normal", "again"), TODAY_VARIANTS
+        ours: tuple[str, ...] = ("normal", "again")
+        theirs: tuple[str, ...] = TODAY_VARIANTS
         if not all(v in row for v in (*ours, *theirs)):
             ours, theirs = ("normal",), ("today",)
         verdict["queue_timeouts"] = sum(row[v]["queue_timeouts"] for v in ours) <= sum(
