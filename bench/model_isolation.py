@@ -104,7 +104,7 @@ B_RATE = 8.0
 B_MAX_TOKENS = 16
 #: B's requests per phase: a p99 over 160 rests on the two slowest and its
 #: interval straddled 1.2; over 480 (about 7.5 minutes in all) it rests on the
-#: five slowest, and two of the first three runs had decided intervals.
+#: five slowest, and three of the first four runs had decided intervals.
 DEFAULT_REQUESTS = 480
 #: Closed-loop clients on model A: its two seats plus a deep queue.
 FLOOD_CLIENTS = 16
