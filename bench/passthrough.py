@@ -2,7 +2,8 @@
 
 One shared ``ClientSession`` (its connector sized for the load, not aiohttp's
 default of 100); each request's method, path, end-to-end headers and body go
-upstream, and the answer's status, end-to-end headers and body come back. No
+upstream, and the answer's status, end-to-end headers and body come back (an
+SSE answer chunk by chunk, as each arrives; any other whole). No
 admission, no metrics, no log: it is the baseline this proxy's overhead is
 measured against, so it must stay honest and lean.
 
@@ -34,7 +35,7 @@ def end_to_end(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in DROPPED)
 
 
-async def forward(request: web.Request) -> web.Response:
+async def forward(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     async with request.app[SESSION].request(
         request.method,
@@ -43,10 +44,16 @@ async def forward(request: web.Request) -> web.Response:
         data=body or None,
         allow_redirects=False,
     ) as upstream:
-        answer = await upstream.read()
-        return web.Response(
-            status=upstream.status, headers=end_to_end(upstream.headers), body=answer
-        )
+        headers = end_to_end(upstream.headers)
+        if upstream.content_type != "text/event-stream":
+            answer = await upstream.read()
+            return web.Response(status=upstream.status, headers=headers, body=answer)
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        return response
 
 
 def build_app(upstream: str) -> web.Application:

@@ -31,7 +31,7 @@ from proxy.errors import ProxyError
 from proxy.record import RequestRecord
 from proxy.sse import SseMeter, usage_from_body
 from proxy.sse_usage import UsageStripper
-from proxy.upstream import Committed, read_chunk
+from proxy.upstream import AnswerReader, Committed
 
 #: Headers that describe one connection, not the message (RFC 9110 section 7.6.1).
 HOP_BY_HOP = frozenset(
@@ -167,13 +167,14 @@ async def relay(
         headers.popall("Content-Length", None)  # the client gets fewer bytes
 
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+    reader = AnswerReader(upstream, deadline, clock, idle_s)
     chunk = committed.first_chunk
     try:
         await response.prepare(request)
         while chunk:
-            now = clock.now()
             if meter is not None:
-                meter.feed(chunk, now)
+                # The clock matters only until the first token (TTFT).
+                meter.feed(chunk, clock.now() if meter.first_token_at is None else 0.0)
                 if meter.done:
                     relayed.upstream_done = True
             elif kept is not None and len(kept) + len(chunk) <= USAGE_SCAN_LIMIT:
@@ -182,7 +183,7 @@ async def relay(
                 await response.write(chunk)
             elif out := strip.feed(chunk):
                 await response.write(out)
-            chunk = await read_chunk(upstream, deadline, clock, idle_s)
+            chunk = await reader.read()
         relayed.upstream_done = True
         if on_upstream_done is not None:
             on_upstream_done()
@@ -204,6 +205,7 @@ async def relay(
         record.fail(err)
         await _end_broken(request, response, err, is_sse)
     finally:
+        reader.close()
         committed.close()
         if meter is not None:
             meter.finish()

@@ -69,10 +69,30 @@ class SseMeter:
         self.done = False
 
     def feed(self, chunk: bytes, now: float) -> None:
+        """Watch one relayed chunk; ``now``: when it arrived, read only until the
+        first token is seen (a caller may stop reading its clock from then on).
+
+        Only ``data:`` lines are looked at; the blank line after each event
+        and ``:`` comments are stepped over here, without a call. After the
+        first token, a chunk that is one whole ``data:`` event without
+        ``usage`` (what an engine writes per token) is counted at once.
+        """
+        if (
+            self.first_token_at is not None
+            and not self._buffer
+            and chunk.startswith(b"data:")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and b'"usage"' not in chunk
+        ):
+            self._counted(chunk[5:-2].strip())
+            return
         data = self._buffer + chunk if self._buffer else chunk
         start = 0
-        while (end := data.find(b"\n", start)) >= 0:
-            self._line(data[start:end], now)
+        find, startswith = data.find, data.startswith
+        while (end := find(b"\n", start)) >= 0:
+            if startswith(b"data:", start):
+                self._line(data[start:end], now)
             start = end + 1
         rest = data[start:]
         self._buffer = rest if len(rest) <= MAX_LINE_BYTES else b""
@@ -81,14 +101,13 @@ class SseMeter:
         if not line.startswith(b"data:"):
             return
         payload = line[5:].strip()
+        if self.first_token_at is not None and b'"usage"' not in payload:
+            self._counted(payload)
+            return
         if payload == b"[DONE]":
             self.done = True  # the engine finished: only the HTTP terminator is left
             return
         if not payload:
-            return
-        if self.first_token_at is not None and b'"usage"' not in payload:
-            self.content_events += 1
-            self._last = payload
             return
         try:
             event = json.loads(payload)
@@ -99,6 +118,14 @@ class SseMeter:
             if self.first_token_at is None:
                 self.first_token_at = now
         self._usage(event)
+
+    def _counted(self, payload: bytes) -> None:
+        """One ``data:`` payload after the first token, without ``usage``: counted, not decoded."""
+        if payload == b"[DONE]":
+            self.done = True  # the engine finished: only the HTTP terminator is left
+        elif payload:
+            self.content_events += 1
+            self._last = payload
 
     def _usage(self, event: Any) -> None:
         if not isinstance(event, dict):

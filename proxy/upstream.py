@@ -64,9 +64,9 @@ class Expiry:
     task is cancelled and the block ends in ``TimeoutError``. As in
     ``asyncio.timeout``, a cancellation that came from elsewhere (the client
     left) stays a ``CancelledError``: it is told apart by the task's
-    cancellation count. One of these bounds every upstream attempt, and the
-    relay arms one per streamed chunk, so it is kept to one timer handle and
-    no state machine.
+    cancellation count. One of these bounds every upstream attempt, so it is
+    kept to one timer handle and no state machine (the relay's reads after
+    the commit point have ``AnswerReader``, one timer for the whole answer).
     """
 
     __slots__ = ("_cancelling", "_delay", "_handle", "_task", "expired")
@@ -263,20 +263,106 @@ def translate(exc: aiohttp.ClientError, replica: Replica) -> ProxyError:
     return UpstreamProtocolError(f"{where}: {type(exc).__name__}: {exc}")
 
 
-async def read_chunk(
-    upstream: aiohttp.ClientResponse, deadline: Deadline, clock: Clock, idle_s: float
-) -> bytes:
-    """The answer's next bytes after the commit point (b"" at its end), errors translated."""
-    content = upstream.content
-    if content.is_eof():  # the rest of a small answer is already here
-        return content.read_nowait()
-    remaining = deadline.remaining(clock.now())
-    try:
-        with Expiry(min(idle_s, remaining)):
-            return await content.readany()
-    except aiohttp.ClientError as exc:  # first: some of aiohttp's are TimeoutErrors too
-        raise UpstreamProtocolError(f"upstream answer broke off: {type(exc).__name__}") from exc
-    except TimeoutError as exc:
-        if remaining <= idle_s:
-            raise TotalTimeout("the request's total budget ran out mid-answer") from exc
-        raise IdleTimeout(f"no upstream bytes for {idle_s * 1000:.0f} ms") from exc
+class AnswerReader:
+    """The answer's reads after the commit point, each bounded by the idle timeout
+    and the total deadline, with one timer per answer instead of one per read.
+
+    A read that waits longer than ``idle_s`` for bytes ends in ``IdleTimeout``;
+    one whose wait the total deadline cuts shorter, in ``TotalTimeout``
+    (which of the two is decided when the read starts, as ``Expiry`` would
+    arm it). Time spent between reads (writing to a slow client) counts for
+    neither. The relay reads once per streamed token, so arming and
+    cancelling a timer per read (``Expiry``) cost more than the rest of the
+    relay's own work; here a read only notes when it expires, and the one
+    timer, when it fires early (armed for an earlier read), is re-armed for
+    the read now waiting, or left off when none is (the next read arms it).
+    A timer never fires later than the read it guards expires: each read
+    expires no earlier than the one before it.
+
+        reader = AnswerReader(response, deadline, clock, idle_s)
+        try:
+            while chunk := await reader.read(): ...
+        finally:
+            reader.close()
+    """
+
+    __slots__ = (
+        "_armed", "_clock", "_content", "_expired", "_handle", "_idle_s", "_loop", "_reading",
+        "_task", "_total_at", "_until",
+    )  # fmt: skip
+
+    def __init__(
+        self, upstream: aiohttp.ClientResponse, deadline: Deadline, clock: Clock, idle_s: float
+    ) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("AnswerReader is used inside a task")
+        self._task = task
+        self._loop = task.get_loop()
+        self._content = upstream.content
+        self._clock = clock
+        self._idle_s = idle_s
+        self._total_at = deadline.total_at
+        self._handle: asyncio.TimerHandle | None = None
+        #: When the armed timer fires, and when the read now waiting expires.
+        self._armed = self._until = 0.0
+        self._reading = False
+        self._expired = False
+
+    def __repr__(self) -> str:
+        state = "expired" if self._expired else "reading" if self._reading else "idle"
+        return f"<AnswerReader {state}, timer {'armed' if self._handle else 'off'}>"
+
+    async def read(self) -> bytes:
+        """The answer's next bytes (b"" at its end), errors translated."""
+        content = self._content
+        if content.is_eof():  # the rest of a small answer is already here
+            return content.read_nowait()
+        started = self._clock.now()
+        by_total = self._total_at - started <= self._idle_s
+        self._until = self._total_at if by_total else started + self._idle_s
+        if self._handle is None:
+            self._arm(self._until, started)
+        task = self._task
+        cancelling = task.cancelling()
+        self._reading = True
+        try:
+            try:
+                return await content.readany()
+            except BaseException as exc:
+                # As ``Expiry``: only the cancellation this reader asked for
+                # becomes a timeout; one from elsewhere (the client left) stays.
+                if (
+                    self._expired
+                    and task.uncancel() <= cancelling
+                    and isinstance(exc, asyncio.CancelledError)
+                ):
+                    raise TimeoutError from exc
+                raise
+            finally:
+                self._reading = False
+        except aiohttp.ClientError as exc:  # first: some of aiohttp's are TimeoutErrors too
+            raise UpstreamProtocolError(f"upstream answer broke off: {type(exc).__name__}") from exc
+        except TimeoutError as exc:
+            if by_total:
+                raise TotalTimeout("the request's total budget ran out mid-answer") from exc
+            raise IdleTimeout(f"no upstream bytes for {self._idle_s * 1000:.0f} ms") from exc
+
+    def _arm(self, at: float, now: float) -> None:
+        self._armed = at
+        self._handle = self._loop.call_later(max(0.0, at - now), self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._reading:
+            return  # between reads: the next read arms it
+        if self._armed >= self._until:
+            self._expired = True
+            self._task.cancel()
+        else:  # armed for an earlier read: the one waiting now expires later
+            self._arm(self._until, self._clock.now())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

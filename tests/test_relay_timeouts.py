@@ -1,0 +1,88 @@
+"""The relay's timeouts after the commit point, end to end: a real proxy before a fake upstream.
+
+``upstream.AnswerReader`` bounds every read of a streamed answer with one
+timer for the whole answer, re-armed as the reads go on: a stream that keeps
+flowing for many idle periods is never cut, a stall longer than ``idle_ms``
+is, and the total deadline cuts a stream that is still flowing. Each ends in
+one SSE error event with its reason code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, make_config
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+CHAT = "/v1/chat/completions"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+
+
+async def _events(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def _tokens(events: list[dict[str, Any]]) -> list[str]:
+    return [
+        e["choices"][0]["delta"]["content"]
+        for e in events
+        if e.get("choices") and e["choices"][0]["delta"].get("content")
+    ]
+
+
+async def test_stall_after_a_flowing_stream_ends_it_with_idle_timeout(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """Tokens 20 ms apart for longer than several idle periods, then a stall of 4x idle_ms:
+    every token before the stall arrives, then one SSE error event idle_timeout."""
+    proxy = await start_proxy(make_config([upstream_url], timeouts={"idle_ms": 500}))
+    body = {"stream": True, "max_tokens": 60, "gap_ms": 20, "pause_after": 50, "pause_ms": 2000}
+    resp = await proxy.client.post(CHAT, json=body, headers=AUTH)
+    assert resp.status == 200
+    events = await asyncio.wait_for(_events(resp), timeout=20)
+    assert _tokens(events) == [f"tok{i} " for i in range(50)]
+    assert events[-1]["error"]["code"] == "idle_timeout"
+    proxy.assert_idle()
+
+
+async def test_stream_flowing_for_many_idle_periods_completes(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """Tokens 20 ms apart for about 8x idle_ms: never an idle timeout, every token arrives."""
+    proxy = await start_proxy(make_config([upstream_url], timeouts={"idle_ms": 200}))
+    body = {"stream": True, "max_tokens": 80, "gap_ms": 20}
+    resp = await proxy.client.post(CHAT, json=body, headers=AUTH)
+    events = await asyncio.wait_for(_events(resp), timeout=20)
+    assert _tokens(events) == [f"tok{i} " for i in range(80)]
+    assert not any("error" in e for e in events)
+    proxy.assert_idle()
+
+
+async def test_total_deadline_mid_stream_ends_it_with_total_timeout(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """A stream still flowing when total_ms runs out (idle_ms far longer): some tokens,
+    then one SSE error event total_timeout."""
+    config = make_config(
+        [upstream_url],
+        budgets={"queue_ms": 200, "first_byte_ms": 500, "total_ms": 1000},
+        timeouts={"idle_ms": 10_000},
+    )
+    proxy = await start_proxy(config)
+    body = {"stream": True, "max_tokens": 400, "gap_ms": 20}
+    resp = await proxy.client.post(CHAT, json=body, headers=AUTH)
+    assert resp.status == 200
+    events = await asyncio.wait_for(_events(resp), timeout=20)
+    assert 0 < len(_tokens(events)) < 400
+    assert events[-1]["error"]["code"] == "total_timeout"
+    proxy.assert_idle()
