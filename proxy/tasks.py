@@ -13,12 +13,24 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
+#: How long ``stop`` waits for a cancelled task before cancelling it again.
+RECANCEL_S = 1.0
+
 
 async def stop(task: asyncio.Task[Any] | None) -> None:
-    """Cancel ``task`` and wait until it has ended; None is a no-op."""
+    """Cancel ``task`` and wait until it has ended; None is a no-op.
+
+    A library may turn a cancellation into an error of its own (a Redis
+    client cancelled while it connects), and a loop that retries on that
+    error would then outlive one ``cancel()``: a worker told to stop right
+    after it started hung in its shutdown that way. A task still running
+    ``RECANCEL_S`` after a cancel is cancelled again, until it ends.
+    """
     if task is None:
         return
-    task.cancel()
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECANCEL_S)
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
