@@ -140,6 +140,9 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
     settle_s: float = 0.0
+    #: How late the load generator sent each arrival against its schedule
+    #: (seconds): a lagging generator bunches arrivals and lengthens the queue.
+    late_s: list[float] = field(default_factory=list)
 
 
 def burst_after_idle(quick: bool) -> Scenario:
@@ -332,6 +335,7 @@ async def replay(
         delay = start + shift + arrival.at_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
+        run.late_s.append(max(0.0, time.monotonic() - (start + shift + arrival.at_s)))
         outcome = run.outcomes[index]
         tasks.append(asyncio.create_task(_send(session, proxy.url, arrival, index, outcome)))
     await asyncio.wait(tasks, timeout=CLIENT_TIMEOUT_S + 5)
@@ -503,6 +507,7 @@ def summarize(scenario: Scenario, runs: dict[str, Run], note: str = "") -> dict[
             "outcomes": dict(sorted(reasons.items())),
             "wall_s": run.wall_s,
             "settle_s": run.settle_s,
+            **lateness(run),
         }
     if "again" in runs:
         row["noise"] = noise(runs["normal"], runs["again"])
@@ -513,6 +518,17 @@ def summarize(scenario: Scenario, runs: dict[str, Run], note: str = "") -> dict[
             (runs["normal"], runs["again"]), (runs["twin"], runs["twin_again"])
         )
     return row
+
+
+def lateness(run: Run) -> dict[str, float]:
+    """The load generator's lag behind its schedule in one run (ms): p99 and worst."""
+    if not run.late_s:
+        return {}
+    late = sorted(run.late_s)
+    return {
+        "sent_late_p99_ms": 1000 * late[min(len(late) - 1, int(0.99 * len(late)))],
+        "sent_late_max_ms": 1000 * late[-1],
+    }
 
 
 def noise(first: Run, second: Run) -> dict[str, Any]:
@@ -669,7 +685,13 @@ async def bench(
             runs = {}
             for variant in variants:
                 runs[variant] = await run_variant(variant, scenario, workdir, today_tree, trace)
-                print(f"  {scenario.name} {variant}: {runs[variant].wall_s:.1f} s", file=sys.stderr)
+                late = lateness(runs[variant])
+                print(
+                    f"  {scenario.name} {variant}: {runs[variant].wall_s:.1f} s, sent late p99 "
+                    f"{late.get('sent_late_p99_ms', 0.0):.1f} ms, worst "
+                    f"{late.get('sent_late_max_ms', 0.0):.1f} ms",
+                    file=sys.stderr,
+                )
             row = summarize(scenario, runs)
             row["pass"] = judge(row)
             rows.append(row)
