@@ -17,6 +17,7 @@ from bench.false_refusals import (
     Run,
     consistent,
     judge,
+    lateness,
     noise,
     served_per_second,
     twin_noise,
@@ -50,6 +51,16 @@ def test_noise_counts_what_one_run_refused_and_the_other_served() -> None:
     }
     assert noise(first, first)["noise_pct"] == 0.0
     assert noise(_run(refused), _run(timed_out))["noise_pct"] == 0.0  # not served either way
+
+
+def test_lateness_reports_the_generators_p99_and_worst_lag_in_ms() -> None:
+    """100 sends, one of them 40 ms late and one 5 ms late: the p99 is the 99th of
+    the sorted lags (5 ms), the worst 40 ms; a run with no sends reports nothing."""
+    run = Run("normal", late_s=[0.0] * 98 + [0.005, 0.040])
+    figures = lateness(run)
+    assert figures["sent_late_p99_ms"] == pytest.approx(5.0)
+    assert figures["sent_late_max_ms"] == pytest.approx(40.0)
+    assert lateness(Run("normal")) == {}
 
 
 def test_the_twins_noise_counts_what_one_twin_served_and_the_other_did_not() -> None:
