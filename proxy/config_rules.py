@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from proxy.config_errors import Problems, stored_key_digest
+from proxy.models import allowed_model_problems, static_models
 
 
 class _Named(Protocol):
@@ -61,6 +62,8 @@ class _Tenant(Protocol):
     def allowed_priorities(self) -> Sequence[str] | None: ...
     @property
     def budgets(self) -> _Overrides: ...
+    @property
+    def allowed_models(self) -> Sequence[str] | None: ...
 
 
 #: The pydantic error type of every cross-field rule.
@@ -137,6 +140,14 @@ def tenant_problems(tenants: Mapping[str, _Tenant], before: Mapping[str, Any]) -
             problems += _class_problems(name, tenant, before["priorities"])
         if "budgets" in before:
             problems += _override_problems(name, tenant, before["budgets"])
+        if tenant.allowed_models and "replicas" in before and "model_aliases" in before:
+            static = static_models(before["replicas"])
+            problems += [
+                ((name, "allowed_models", i), message)
+                for i, message in allowed_model_problems(
+                    tenant.allowed_models, before["model_aliases"], static
+                )
+            ]
         if not tenant.api_keys and anonymous is not None and anonymous != name:
             problems.append(
                 ((name, "api_keys"), "required (only the anonymous tenant may omit it)")

@@ -97,6 +97,35 @@ def _json(body: bytes | str) -> Any:
         return None
 
 
+def static_models(replicas: Iterable[ServesModels] | None) -> set[str] | None:
+    """Every model the replicas list, when *all* of them list ``models``; else None.
+
+    With one replica discovering its models (``GET /v1/models``), any name
+    may appear later (a LoRA adapter loaded at run time), so config rules
+    that need the full list are skipped.
+    """
+    listed = list(replicas or ())
+    if not listed or any(replica.models is None for replica in listed):
+        return None
+    return {model for replica in listed for model in replica.models or ()}
+
+
+def allowed_model_problems(
+    allowed: Iterable[str], aliases: Container[str], static: Collection[str] | None
+) -> list[tuple[int, str]]:
+    """A tenant's ``allowed_models`` entries that no replica lists and no alias names,
+    as ``(index, message)``; none when some replica discovers its models (``static``
+    None). Such an entry admits nothing: the tenant would get 404 for it forever."""
+    if static is None:
+        return []
+    served = ", ".join(sorted(static))
+    return [
+        (i, f"{name!r} is neither a model a replica lists nor an alias (models listed: {served})")
+        for i, name in enumerate(allowed)
+        if name not in static and name not in aliases
+    ]
+
+
 def alias_problems(
     aliases: Mapping[str, str], static_models: Collection[str] | None
 ) -> list[tuple[tuple[str, ...], str]]:

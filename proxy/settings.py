@@ -110,7 +110,7 @@ from proxy.config_sections import (
 )
 from proxy.config_tenants import *  # noqa: F403 - re-exported, see __all__
 from proxy.config_tenants import ANONYMOUS_REJECT, TenantConfig
-from proxy.models import alias_problems
+from proxy.models import alias_problems, static_models
 
 #: Every config name, importable from here as it was before the sections moved out.
 __all__ = [
@@ -262,11 +262,7 @@ class Config(BaseSettings):
 
         Skipped against the replicas when they failed their own validation.
         """
-        replicas: tuple[ReplicaConfig, ...] | None = info.data.get("replicas")
-        static: set[str] | None = None
-        if replicas and all(replica.models is not None for replica in replicas):
-            static = {model for replica in replicas for model in replica.models or ()}
-        problems = alias_problems(aliases, static)
+        problems = alias_problems(aliases, static_models(info.data.get("replicas")))
         if problems:
             raise rule_violations("model_aliases", problems)
         return aliases

@@ -394,6 +394,19 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         {"tenants.acme.allowed_models": "valid"},
     ),
     (
+        "allowed model served by no static replica and no alias",
+        {
+            "replicas": [{**BASE["replicas"][0], "models": ["llama-8b"]}],
+            "model_aliases": {"mini": "llama-8b"},
+            "tenants": {"acme": {"allowed_models": ["mini", "llama-70b"]}},
+        },
+        {
+            "tenants.acme.allowed_models[1]": (
+                "'llama-70b' is neither a model a replica lists nor an alias (models listed"
+            )
+        },
+    ),
+    (
         "state failure mode",
         {"state": {"on_failure": "allow"}},
         {"state.on_failure": "'local_share' or 'reject'"},
@@ -585,6 +598,24 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 
 # --- tenants --------------------------------------------------------------
+
+
+def test_allowed_models_are_checked_only_against_a_fully_static_model_list() -> None:
+    """A listed model and an alias pass with static lists; with one replica discovering
+    its models (``models: null``) any name passes: an adapter may appear at run time."""
+    static = {**BASE["replicas"][0], "models": ["llama-8b"]}
+    config = _parse({
+        "replicas": [static],
+        "model_aliases": {"mini": "llama-8b"},
+        "tenants": {"acme": {"allowed_models": ["mini", "llama-8b"]}},
+    })  # fmt: skip
+    assert config.tenants["acme"].allowed_models == ("mini", "llama-8b")
+    discovering = {**BASE["replicas"][0], "name": "gpu-1", "url": "http://127.0.0.1:9002"}
+    config = _parse({
+        "replicas": [static, discovering],
+        "tenants": {"acme": {"allowed_models": ["lora-sql"]}},
+    })  # fmt: skip
+    assert config.tenants["acme"].allowed_models == ("lora-sql",)
 
 
 def test_anonymous_tenant_needs_no_keys() -> None:
