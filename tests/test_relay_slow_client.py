@@ -24,7 +24,7 @@ from typing import Any
 from yarl import URL
 
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, make_config, samples_by_label, wait_for
+from tests.helpers import KEY_A, make_config, samples_by_label, sse_tokens, wait_for
 from tests.upstreams import Upstream
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
@@ -155,14 +155,6 @@ def _events(body: bytes) -> list[dict[str, Any]]:
     return events
 
 
-def _tokens(events: list[dict[str, Any]]) -> list[str]:
-    return [
-        e["choices"][0]["delta"]["content"]
-        for e in events
-        if e.get("choices") and e["choices"][0]["delta"].get("content")
-    ]
-
-
 async def _counted(proxy: ProxyUnderTest) -> tuple[dict[str, float], dict[str, float]]:
     """The proxy's requests by reason and timeouts by layer."""
     text = await (await proxy.client.get("/metrics")).text()
@@ -195,7 +187,7 @@ async def test_replica_streaming_while_the_proxy_waits_on_the_client_is_not_idle
     status, answer, complete = client.answer()
     assert status == 200 and complete and not client.reset
     events = _events(answer)
-    assert _tokens(events) == [f"tok{i} {'.' * pad}" for i in range(600)]
+    assert sse_tokens(events) == [f"tok{i} {'.' * pad}" for i in range(600)]
     assert not any("error" in e for e in events)
     await wait_for(lambda: not proxy.runtime.active)
     reasons, layers = await _counted(proxy)
