@@ -8,12 +8,13 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -149,6 +150,42 @@ class FigureBase:
     target: str
     #: None: reported for context, no target applies.
     passed: bool | None
+
+
+class RoundRun(Protocol):
+    """One measured run of one target in one round: what ``summarize_rounds`` groups by."""
+
+    target: str
+    round: int
+
+
+RunT = TypeVar("RunT", bound=RoundRun)
+
+
+def summarize_rounds(
+    runs: Sequence[RunT],
+    targets: Sequence[str],
+    fields: Sequence[str],
+    per_round: Callable[[dict[str, RunT]], dict[str, float]],
+) -> dict[str, Any]:
+    """Medians over rounds of each of ``fields`` per target, and the median over rounds
+    of each figure ``per_round`` makes from one round's runs (keyed by target).
+
+    A ratio is taken within a round, then the median over rounds: the targets of
+    one round ran back to back, so drift between rounds on a shared machine
+    cancels out of it. Every round must hold every target ``per_round`` reads.
+    """
+    by_target = {
+        target: {f: statistics.median(getattr(r, f) for r in runs if r.target == target)
+                 for f in fields}
+        for target in targets
+    }  # fmt: skip
+    by_round: dict[int, dict[str, RunT]] = {}
+    for r in runs:
+        by_round.setdefault(r.round, {})[r.target] = r
+    figures = [per_round(rr) for rr in by_round.values()]
+    ratios = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+    return {"targets": by_target, "ratios": ratios, "ratios_by_round": figures}
 
 
 def write_results(path: Path, result: dict[str, Any]) -> None:

@@ -50,7 +50,15 @@ import aiohttp
 import uvloop
 import yaml
 
-from bench.common import SCRUBBED_ENV, cpu_line, machine, own_cpu, revision, scrubbed_env
+from bench.common import (
+    SCRUBBED_ENV,
+    cpu_line,
+    machine,
+    own_cpu,
+    revision,
+    scrubbed_env,
+    summarize_rounds,
+)
 from bench.load import Requester, closed_loop, load_session, open_loop
 from bench.processes import (
     Server,
@@ -338,35 +346,27 @@ FIELDS = ("rps", "p50_ms", "p99_ms", "front_cpu_ms", "upstream_cpu_ms", "loadgen
 
 def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     """Medians over rounds per target, and the median of per-round ratios to the pass-through."""
-    targets = {
-        target: {f: statistics.median(getattr(r, f) for r in runs if r.target == target)
-                 for f in FIELDS}
-        for target in TARGETS
-    }  # fmt: skip
-    by_round: dict[int, dict[str, Run]] = {}
-    for r in runs:
-        by_round.setdefault(r.round, {})[r.target] = r
-    per_round = [
-        {
-            "rps_ratio": rr["proxy"].rps / rr["passthrough"].rps,
-            "added_p50_ms": rr["proxy"].p50_ms - rr["passthrough"].p50_ms,
-            "added_p99_ms": rr["proxy"].p99_ms - rr["passthrough"].p99_ms,
-            "cpu_ratio": rr["proxy"].front_cpu_ms / rr["passthrough"].front_cpu_ms,
-            "added_cpu_ms": rr["proxy"].front_cpu_ms - rr["passthrough"].front_cpu_ms,
-            "passthrough_vs_direct_rps": rr["passthrough"].rps / rr["direct"].rps,
-            # Tracing on against off, and the traced proxy against the pass-through.
-            "tracing_rps_ratio": rr[TRACED].rps / rr["proxy"].rps,
-            "tracing_added_p50_ms": rr[TRACED].p50_ms - rr["proxy"].p50_ms,
-            "tracing_cpu_ratio": rr[TRACED].front_cpu_ms / rr["proxy"].front_cpu_ms,
-            "tracing_added_cpu_ms": rr[TRACED].front_cpu_ms - rr["proxy"].front_cpu_ms,
-            "traced_rps_ratio": rr[TRACED].rps / rr["passthrough"].rps,
-            "traced_added_p50_ms": rr[TRACED].p50_ms - rr["passthrough"].p50_ms,
-            "traced_cpu_ratio": rr[TRACED].front_cpu_ms / rr["passthrough"].front_cpu_ms,
-        }
-        for rr in by_round.values()
-    ]
-    ratios = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
-    return {"targets": targets, "ratios": ratios, "ratios_by_round": per_round}
+    return summarize_rounds(runs, TARGETS, FIELDS, _round_ratios)
+
+
+def _round_ratios(rr: dict[str, Run]) -> dict[str, float]:
+    """One round's figures: the proxy against the pass-through, and tracing on against off."""
+    return {
+        "rps_ratio": rr["proxy"].rps / rr["passthrough"].rps,
+        "added_p50_ms": rr["proxy"].p50_ms - rr["passthrough"].p50_ms,
+        "added_p99_ms": rr["proxy"].p99_ms - rr["passthrough"].p99_ms,
+        "cpu_ratio": rr["proxy"].front_cpu_ms / rr["passthrough"].front_cpu_ms,
+        "added_cpu_ms": rr["proxy"].front_cpu_ms - rr["passthrough"].front_cpu_ms,
+        "passthrough_vs_direct_rps": rr["passthrough"].rps / rr["direct"].rps,
+        # Tracing on against off, and the traced proxy against the pass-through.
+        "tracing_rps_ratio": rr[TRACED].rps / rr["proxy"].rps,
+        "tracing_added_p50_ms": rr[TRACED].p50_ms - rr["proxy"].p50_ms,
+        "tracing_cpu_ratio": rr[TRACED].front_cpu_ms / rr["proxy"].front_cpu_ms,
+        "tracing_added_cpu_ms": rr[TRACED].front_cpu_ms - rr["proxy"].front_cpu_ms,
+        "traced_rps_ratio": rr[TRACED].rps / rr["passthrough"].rps,
+        "traced_added_p50_ms": rr[TRACED].p50_ms - rr["passthrough"].p50_ms,
+        "traced_cpu_ratio": rr[TRACED].front_cpu_ms / rr["passthrough"].front_cpu_ms,
+    }
 
 
 def verdicts(closed: dict[str, Any], opened: dict[str, Any] | None) -> dict[str, bool]:

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from bench.common import cpu_line, machine, own_cpu, revision, write_results
+from bench.common import cpu_line, machine, own_cpu, revision, summarize_rounds, write_results
 from bench.fast_upstream import TOKEN_EVENT, TOKEN_INTERVAL_S
 from bench.load import Requester, closed_loop, load_session
 from bench.overhead import HEADERS, PATH, READY_TIMEOUT_S, servers
@@ -200,24 +199,13 @@ FIELDS = (
 
 def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     """Medians over rounds per target, and the median of per-round ratios to the pass-through."""
-    targets = {
-        target: {f: statistics.median(getattr(r, f) for r in runs if r.target == target)
-                 for f in FIELDS}
-        for target in TARGETS
-    }  # fmt: skip
-    by_round: dict[int, dict[str, Run]] = {}
-    for r in runs:
-        by_round.setdefault(r.round, {})[r.target] = r
-    per_round = [
-        {
-            "cpu_ratio": rr["proxy"].front_us_per_token / rr["passthrough"].front_us_per_token,
-            "added_us_per_token": rr["proxy"].front_us_per_token
-            - rr["passthrough"].front_us_per_token,
-        }
-        for rr in by_round.values()
-    ]
-    ratios = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
-    return {"targets": targets, "ratios": ratios, "ratios_by_round": per_round}
+    return summarize_rounds(runs, TARGETS, FIELDS, _round_ratios)
+
+
+def _round_ratios(rr: dict[str, Run]) -> dict[str, float]:
+    """One round's figures: the proxy's CPU per token against the pass-through's."""
+    proxy, passthrough = rr["proxy"].front_us_per_token, rr["passthrough"].front_us_per_token
+    return {"cpu_ratio": proxy / passthrough, "added_us_per_token": proxy - passthrough}
 
 
 def report(args: argparse.Namespace, summary: dict[str, Any]) -> str:

@@ -8,6 +8,8 @@ streams are watched (``sse.SseMeter``) for the first token and token counts.
 After the commit point a failure can no longer become an error response: an
 SSE stream gets one ``data: {"error": ...}`` event and ends, any other body is
 cut (the connection is dropped so the client cannot mistake it for complete).
+An answer the client takes too slowly to have it by the total deadline is
+cut too, SSE or not: the event would wait on the same client.
 That outcome is recorded but never raised, so no caller can turn it into a
 second response (starlette's guard, made structural). What the exchange
 needs to know (how the answer ended, whether the replica finished, the
@@ -17,6 +19,7 @@ record.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.errors import ProxyError
+from proxy.errors import ProxyError, TotalTimeout
 from proxy.record import RequestRecord
 from proxy.sse import SseMeter, usage_from_body
 from proxy.sse_usage import UsageStripper
@@ -203,7 +206,17 @@ async def relay(
     except ProxyError as err:
         relayed.ending = "broken"
         record.fail(err)
+        reader.close()  # the error event goes out as before, the timer off
         await _end_broken(request, response, err, is_sse)
+    except asyncio.CancelledError:
+        if not reader.ran_out():
+            raise
+        # The total deadline came while the client was still taking the answer:
+        # an error event would wait on the same client, so the connection is cut.
+        relayed.ending = "broken"
+        record.fail(TotalTimeout("the request's total budget ran out while the client read"))
+        if request.transport is not None:
+            request.transport.abort()
     finally:
         reader.close()
         committed.close()

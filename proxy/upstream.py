@@ -271,24 +271,31 @@ class AnswerReader:
     one whose wait the total deadline cuts shorter, in ``TotalTimeout``
     (which of the two is decided when the read starts, as ``Expiry`` would
     arm it). Time spent between reads (writing to a slow client) counts for
-    neither. The relay reads once per streamed token, so arming and
-    cancelling a timer per read (``Expiry``) cost more than the rest of the
-    relay's own work; here a read only notes when it expires, and the one
-    timer, when it fires early (armed for an earlier read), is re-armed for
-    the read now waiting, or left off when none is (the next read arms it).
+    the total deadline only: a replica is never idle because the client is
+    slow, but an answer the client takes too slowly (or stops taking) still
+    ends at the total deadline, the task cancelled where it waits on the
+    client; ``ran_out`` tells that cancellation apart. The relay reads once
+    per streamed token, so arming and cancelling a timer per read
+    (``Expiry``) cost more than the rest of the relay's own work; here a
+    read only notes when it expires, and the one timer, when it fires early
+    (armed for an earlier read), is re-armed for the read now waiting, or
+    for the total deadline when none is (the next read arms it earlier).
     A timer never fires later than the read it guards expires: each read
     expires no earlier than the one before it.
 
         reader = AnswerReader(response, deadline, clock, idle_s)
         try:
             while chunk := await reader.read(): ...
+        except asyncio.CancelledError:
+            if not reader.ran_out(): raise
+            ...  # the total deadline, while writing to the client
         finally:
             reader.close()
     """
 
     __slots__ = (
-        "_armed", "_clock", "_content", "_expired", "_handle", "_idle_s", "_loop", "_reading",
-        "_task", "_total_at", "_until",
+        "_armed", "_cancelling", "_clock", "_content", "_expired", "_handle", "_idle_s", "_loop",
+        "_reading", "_task", "_total_at", "_until",
     )  # fmt: skip
 
     def __init__(
@@ -308,6 +315,9 @@ class AnswerReader:
         self._armed = self._until = 0.0
         self._reading = False
         self._expired = False
+        self._cancelling = task.cancelling()
+        # Before any read, writing the first bytes is bounded by the total too.
+        self._arm(self._total_at, clock.now())
 
     def __repr__(self) -> str:
         state = "expired" if self._expired else "reading" if self._reading else "idle"
@@ -321,7 +331,7 @@ class AnswerReader:
         started = self._clock.now()
         by_total = self._total_at - started <= self._idle_s
         self._until = self._total_at if by_total else started + self._idle_s
-        if self._handle is None:
+        if self._handle is None or self._armed > self._until:
             self._arm(self._until, started)
         task = self._task
         cancelling = task.cancelling()
@@ -349,18 +359,27 @@ class AnswerReader:
             raise IdleTimeout(f"no upstream bytes for {self._idle_s * 1000:.0f} ms") from exc
 
     def _arm(self, at: float, now: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
         self._armed = at
         self._handle = self._loop.call_later(max(0.0, at - now), self._fire)
 
     def _fire(self) -> None:
         self._handle = None
-        if not self._reading:
-            return  # between reads: the next read arms it
-        if self._armed >= self._until:
+        # Between reads (writing to the client) only the total deadline counts.
+        if self._armed >= (self._until if self._reading else self._total_at):
             self._expired = True
             self._task.cancel()
-        else:  # armed for an earlier read: the one waiting now expires later
+        elif self._reading:  # armed for an earlier read: the one waiting now expires later
             self._arm(self._until, self._clock.now())
+        else:
+            self._arm(self._total_at, self._clock.now())
+
+    def ran_out(self) -> bool:
+        """After a ``CancelledError`` outside ``read``: True when it was this reader's
+        total deadline (the cancellation is then taken back), False when it came from
+        elsewhere (the client left) and must go on."""
+        return self._expired and self._task.uncancel() <= self._cancelling
 
     def close(self) -> None:
         if self._handle is not None:

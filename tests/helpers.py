@@ -90,6 +90,15 @@ class SteadyLoad:
         await asyncio.gather(*self._tasks, return_exceptions=kind is not None)
 
 
+def sse_tokens(events: list[dict[str, Any]]) -> list[str]:
+    """The content tokens of parsed chat-completion stream events, in order."""
+    return [
+        e["choices"][0]["delta"]["content"]
+        for e in events
+        if e.get("choices") and e["choices"][0]["delta"].get("content")
+    ]
+
+
 def samples_by_label(metrics_text: str, name: str, label: str) -> dict[str, float]:
     """The samples of one metric in a /metrics page, keyed by one of their labels (the
     values of series that share that label are summed), parsed by prometheus-client's own

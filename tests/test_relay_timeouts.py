@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, make_config
+from tests.helpers import KEY_A, make_config, sse_tokens
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -32,14 +32,6 @@ async def _events(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
     return events
 
 
-def _tokens(events: list[dict[str, Any]]) -> list[str]:
-    return [
-        e["choices"][0]["delta"]["content"]
-        for e in events
-        if e.get("choices") and e["choices"][0]["delta"].get("content")
-    ]
-
-
 async def test_stall_after_a_flowing_stream_ends_it_with_idle_timeout(
     start_proxy: Start, upstream_url: str
 ) -> None:
@@ -50,7 +42,7 @@ async def test_stall_after_a_flowing_stream_ends_it_with_idle_timeout(
     resp = await proxy.client.post(CHAT, json=body, headers=AUTH)
     assert resp.status == 200
     events = await asyncio.wait_for(_events(resp), timeout=20)
-    assert _tokens(events) == [f"tok{i} " for i in range(50)]
+    assert sse_tokens(events) == [f"tok{i} " for i in range(50)]
     assert events[-1]["error"]["code"] == "idle_timeout"
     proxy.assert_idle()
 
@@ -63,7 +55,7 @@ async def test_stream_flowing_for_many_idle_periods_completes(
     body = {"stream": True, "max_tokens": 80, "gap_ms": 20}
     resp = await proxy.client.post(CHAT, json=body, headers=AUTH)
     events = await asyncio.wait_for(_events(resp), timeout=20)
-    assert _tokens(events) == [f"tok{i} " for i in range(80)]
+    assert sse_tokens(events) == [f"tok{i} " for i in range(80)]
     assert not any("error" in e for e in events)
     proxy.assert_idle()
 
@@ -83,6 +75,6 @@ async def test_total_deadline_mid_stream_ends_it_with_total_timeout(
     resp = await proxy.client.post(CHAT, json=body, headers=AUTH)
     assert resp.status == 200
     events = await asyncio.wait_for(_events(resp), timeout=20)
-    assert 0 < len(_tokens(events)) < 400
+    assert 0 < len(sse_tokens(events)) < 400
     assert events[-1]["error"]["code"] == "total_timeout"
     proxy.assert_idle()

@@ -8,7 +8,8 @@ Behaviour is chosen by the request path and the JSON body:
   ``"hang_ms"`` delays everything before the first byte; ``"tail_ms"`` delays
   the end of the stream after ``[DONE]``; ``"cut_after"`` drops
   the connection after that many content chunks; ``"pause_after"`` waits
-  ``"pause_ms"`` before that content chunk; ``"stale_after": true``
+  ``"pause_ms"`` before that content chunk; ``"pad_bytes"`` adds that many
+  bytes to each content chunk's text (a big answer from few tokens); ``"stale_after": true``
   keeps the connection open after the stream but drops, unanswered, the next
   request that arrives on it (llama.cpp's server does this).
 - ``/status/{code}``: answers that status with a JSON body.
@@ -82,6 +83,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         gap = body.get("gap_ms", 0) / 1000.0
         cut_after = body.get("cut_after")
         pause_after = body.get("pause_after")
+        pad = "." * int(body.get("pad_bytes", 0))
         for i in range(n):
             if cut_after is not None and i == cut_after:
                 assert request.transport is not None
@@ -91,7 +93,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
                 await asyncio.sleep(gap)
             if pause_after is not None and i == pause_after:
                 await asyncio.sleep(body.get("pause_ms", 0) / 1000.0)
-            await response.write(_chunk(f"tok{i} "))
+            await response.write(_chunk(f"tok{i} {pad}"))
         usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n}}
         await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
