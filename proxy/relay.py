@@ -206,8 +206,8 @@ async def relay(
     except ProxyError as err:
         relayed.ending = "broken"
         record.fail(err)
-        reader.close()  # the error event goes out as before, the timer off
-        await _end_broken(request, response, err, is_sse)
+        reader.close()  # the error event has its own bound (_end_broken)
+        await _end_broken(request, response, err, is_sse, grace_s=idle_s)
     except asyncio.CancelledError:
         if not reader.ran_out():
             raise
@@ -234,16 +234,30 @@ async def relay(
 
 
 async def _end_broken(
-    request: web.Request, response: web.StreamResponse, err: ProxyError, is_sse: bool
+    request: web.Request,
+    response: web.StreamResponse,
+    err: ProxyError,
+    is_sse: bool,
+    *,
+    grace_s: float,
 ) -> None:
-    """After the commit point: one SSE error event, or a cut connection."""
+    """After the commit point: one SSE error event, or a cut connection.
+
+    A client that is not taking what it was sent would hold the event (and
+    the request, its seat and replica connection with it) forever: it gets
+    ``grace_s`` (the idle timeout, what the replica gets to send a byte) to
+    take the event, after which the connection is cut.
+    """
     if is_sse:
         event = {"error": {"message": err.message, "type": "admission_error", "code": err.reason}}
         try:
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            await response.write_eof()
+            async with asyncio.timeout(grace_s):
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await response.write_eof()
+            return
         except ConnectionResetError:
-            pass
-        return
+            return
+        except TimeoutError:
+            pass  # the client is not reading: cut below
     if request.transport is not None:
         request.transport.abort()

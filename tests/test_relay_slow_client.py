@@ -243,3 +243,43 @@ async def test_total_deadline_ends_an_answer_the_client_reads_slowly(
     """The client takes 4 KiB every 10 ms, slower than the replica streams, so the proxy's
     reads of the replica never wait: the total deadline still ends the request."""
     await _total_deadline_case(start_proxy, upstream_url, upstream_state, pause_s=0.01)
+
+
+async def test_an_error_event_the_client_does_not_take_is_cut_after_the_idle_time(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """The client stops reading; the replica sends about 50 KB (more than the sockets
+    between them hold, less than aiohttp writes before it waits on the client) and then
+    stays silent. The proxy's read times out (idle_timeout) and its error event cannot
+    reach the client, whose data is still waiting in the proxy's buffer: after idle_ms
+    more the connection is cut, the request ends, the replica's connection is closed
+    and the seat is back (before, the event waited on the client forever)."""
+    idle_s = 0.3
+    config = make_config(
+        [upstream_url],
+        budgets={"queue_ms": 1000, "first_byte_ms": 1000, "total_ms": 60_000},
+        timeouts={"idle_ms": idle_s * 1000},
+    )
+    proxy = await start_proxy(config)
+    body = {"stream": True, "max_tokens": 40, "pad_bytes": 2000, "pause_after": 25,
+            "pause_ms": 30_000}  # fmt: skip
+    client = await SlowClient.connect(proxy, body)
+    try:
+        transport = client.proxy_side
+        assert transport is not None
+        # aiohttp waits on a paused transport only at write_eof (or past 64 KiB written):
+        # a low high-water mark pauses it as soon as the client's sockets are full.
+        transport.set_write_buffer_limits(high=1024)
+        await wait_for(lambda: _waits_on_client(client), timeout_s=20)
+        await wait_for(lambda: not proxy.runtime.active, timeout_s=20)
+        await client.read_to_end(max_reads=1000)
+    finally:
+        client.close()
+    status, answer, complete = client.answer()
+    assert status == 200 and not complete
+    assert b'"error"' not in answer and b"data: [DONE]" not in answer
+    reasons, layers = await _counted(proxy)
+    assert reasons.get("idle_timeout") == 1.0 and layers.get("idle") == 1.0
+    await wait_for(lambda: upstream_state.active == 0, timeout_s=40)
+    assert upstream_state.aborted == 1 and upstream_state.completed == 0
+    proxy.assert_idle()
