@@ -85,6 +85,9 @@ class Dispatcher:
         self._usage = RecentUsage()
         self._grants = 0
         self._headroom_grants: dict[str, int] = {}
+        #: The grant count at each pool's last grant from its queue: the pool served
+        #: longest ago goes first, so pools sharing a replica take its seats in turn.
+        self._pool_turns: dict[str | None, int] = {}
         self._high_water: dict[str, int] = {}
         #: Retries waiting for a seat: served ahead of queued tickets.
         self._reseating = Reseats(self.seats)
@@ -508,8 +511,9 @@ class Dispatcher:
         if not (self._reseating or len(self.scheduler)):
             return  # nobody waits (every release when unloaded)
         self._reseating.serve()
-        # Pools take turns, one grant each, so pools sharing a replica share its seats.
-        waiting = self.scheduler.waiting_models()
+        # Pools take turns, one grant each, the one served longest ago first: a
+        # release frees one seat, and pools sharing its replica must share it.
+        waiting = sorted(self.scheduler.waiting_models(), key=self._last_turn)
         while waiting:
             waiting = [model for model in waiting if self._pump_one(model)]
         if self._observing and len(self.scheduler):
@@ -533,7 +537,11 @@ class Dispatcher:
             replica = self.seats.choose(model, ticket.affinity, ticket.cost)
             assert replica is not None  # a seat of the pool was free above
             self._grant(ticket, self.pool.lease(replica), now)
+            self._pool_turns[model] = self._grants
             return True
+
+    def _last_turn(self, model: str | None) -> int:
+        return self._pool_turns.get(model, -1)
 
     def _grant(self, ticket: Ticket, seat: Seat, now: float) -> None:
         if ticket.timer is not None:

@@ -177,7 +177,7 @@ class Exchange:
         if name:
             answer = runtime.models.model_response(name, allowed, healthy)
             if answer is None:
-                raise ModelNotFound(f"the model {name[:256]!r} does not exist")
+                raise ModelNotFound("the requested model does not exist")  # no echo
         else:
             answer = runtime.models.list_response(allowed, healthy)
         record.status = 200

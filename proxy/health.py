@@ -313,13 +313,20 @@ class Health:
         table = self._models
         if table is not None and not table.discovers(replica.name):
             return replica.config.models[0] if replica.config.models else None
+        # An engine started with an API key (vLLM's --api-key) guards /v1/models too.
+        headers = {"Authorization": f"Bearer {replica.api_key}"} if replica.api_key else None
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError,
                                  IndexError, TypeError):  # fmt: skip
             async with self._get_session().get(
                 replica.url + "/v1/models",
+                headers=headers,
                 ssl=replica.ssl,
                 timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S),
             ) as resp:
+                if resp.status != 200 and table is not None and not table.models_of(replica.name):
+                    # Nothing known yet: the replica serves no pool until this succeeds.
+                    log.warning("model discovery failed", replica=replica.name,
+                                status=resp.status)  # fmt: skip
                 if resp.status == 200:
                     body = await resp.read()
                     if table is not None and table.update(replica.name, parse_model_list(body)):

@@ -327,9 +327,10 @@ class ModelTable:
             return ModelRefusal("bad_request", "model must be a string")
         replicas = self.pool(model)
         if not replicas:
-            return ModelRefusal("model_not_found", f"the model {model!r} does not exist")
+            # Never the name itself: answers echo nothing the client sent.
+            return ModelRefusal("model_not_found", "the requested model does not exist")
         if not self.allows(allowed, model):
-            return ModelRefusal("model_not_allowed", f"this key may not use the model {model!r}")
+            return ModelRefusal("model_not_allowed", "this key may not use the requested model")
         return PoolChoice(self.resolve(model), replicas)
 
     def models_for_tenant(

@@ -154,6 +154,32 @@ async def test_model_refusals_carry_the_error_and_take_no_seat(
     proxy.assert_idle()
 
 
+async def test_model_refusals_echo_nothing_the_client_sent(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """A 200 KB model name with markup (404), the alias mini for tenant b, who may not
+    use its target (403), and GET /v1/models/{id} of a name with markup (404): the
+    answers are short and hold no part of the name asked."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    hostile = "<script>alert(1)</script>" + "A" * 200_000
+    cases = [
+        (await proxy.client.post(
+            COMPLETIONS, json={"model": hostile, "prompt": "x"}, headers=AUTH_A
+        ), 404, "<script>"),
+        (await proxy.client.post(
+            COMPLETIONS, json={"model": "mini", "prompt": "x"}, headers=AUTH_B
+        ), 403, "mini"),
+        (await proxy.client.get("/v1/models/%3Cscript%3Ealert(1)", headers=AUTH_A),
+         404, "<script>"),
+    ]  # fmt: skip
+    for answer, status, asked in cases:
+        text = await answer.text()
+        assert answer.status == status
+        assert len(text) < 1000 and asked not in text
+    assert llama.bodies == [] and qwen.bodies == []
+    proxy.assert_idle()
+
+
 async def test_each_model_reaches_its_pool_and_an_alias_its_target(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:
@@ -232,7 +258,7 @@ async def test_one_model_is_answered_by_the_proxy_within_the_tenants_list(
         assert resp.headers["X-Admission-Reason"] == "model_not_found"
         assert resp.headers["X-Request-Id"] == "get-1"
         error = (await resp.json())["error"]
-        assert error["code"] == "model_not_found" and name in error["message"]
+        assert error["code"] == "model_not_found" and name not in error["message"]
     async with openai.AsyncOpenAI(
         base_url=str(proxy.client.make_url("/v1")), api_key=KEY_B, max_retries=0
     ) as client:
@@ -289,6 +315,52 @@ async def test_one_discovered_model_routes_as_without_pools(
     listed = replica.listed
     resp = await proxy.client.get("/v1/models", headers=AUTH_A)
     assert resp.status == 200 and replica.listed == listed + 1
+    proxy.assert_idle()
+
+
+async def test_discovery_sends_the_replicas_api_key(
+    aiohttp_server: ServerFactory, start_proxy: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas that guard /v1/* with an API key (vLLM's --api-key), models
+    discovered: the proxy asks with the replica's key, so each model gets its pool
+    and a request for qwen reaches only the qwen replica."""
+    monkeypatch.setenv("REPLICA_KEY", "sk-replica")
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/v1") and (
+            request.headers.get("Authorization") != "Bearer sk-replica"
+        ):
+            return web.json_response({"error": "unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    urls, states = [], []
+    for models in (["llama"], ["qwen"]):
+        app = web.Application(middlewares=[guard])
+        app[REPLICA] = state = ModelReplica(models)
+        app.router.add_get("/v1/models", _list)
+        app.router.add_get("/health", _health)
+        app.router.add_post(COMPLETIONS, _complete)
+        server = await aiohttp_server(app)
+        urls.append(str(server.make_url("")).rstrip("/"))
+        states.append(state)
+    doc = {
+        "replicas": [
+            {"name": f"r{i}", "url": url, "max_concurrency": 1, "api_key_env": "REPLICA_KEY"}
+            for i, url in enumerate(urls)
+        ],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+        "health": {"interval_ms": 50},
+    }
+    proxy = await start_proxy(parse_config(yaml.safe_dump(doc)))
+    await wait_for(lambda: proxy.runtime.models.served_models() == {"llama", "qwen"})
+    assert proxy.runtime.models.pooled
+    resp = await proxy.client.post(
+        COMPLETIONS, json={"model": "qwen", "prompt": "x"}, headers=AUTH_A
+    )
+    assert resp.status == 200
+    assert states[0].named() == [] and states[1].named() == ["qwen"]
     proxy.assert_idle()
 
 
@@ -401,6 +473,34 @@ async def test_dispatcher_grants_only_seats_of_the_tickets_pool() -> None:
         seat = await dispatcher.wait(ticket)
         assert seat.replica.name == "r0"
         dispatcher.finish(ticket, seat)
+    assert dispatcher.pool.total_inflight() == 0 and len(dispatcher.scheduler) == 0
+
+
+async def test_pools_sharing_a_replica_take_its_seat_in_turn() -> None:
+    """Fake clock: r0 serves models a and b with one seat. Tenant t queues five a
+    tickets, then tenant u five b tickets; each release frees the one seat, and
+    the pools take it in turn (a b a b ...), not pool a until its queue is empty."""
+    clock = FakeClock()
+    replica = Replica(ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=1))
+    limits = TenantLimits(max_concurrency=None, queue_capacity=64)
+    dispatcher = Dispatcher(
+        ReplicaPool([replica]), FairScheduler({"standard": 1.0}), clock, {"t": limits, "u": limits}
+    )
+    dispatcher.seats.models = ModelTable({"r0": ("a", "b")}, {})
+    deadline = Deadline.start(clock.now(), BudgetsConfig(queue_ms=60_000, total_ms=120_000))
+    running = dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline)
+    queued = {dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline): "a" for _ in range(5)}
+    queued |= {dispatcher.enqueue_in("b", "u", "standard", 1.0, deadline): "b" for _ in range(5)}
+    order = []
+    for _ in range(10):
+        clock.advance(1.0)
+        assert running.seat is not None
+        dispatcher.finish(running, running.seat)
+        (running,) = [t for t in queued if t.seat is not None and t.granted_at == clock.now()]
+        order.append(queued[running])
+    assert order == ["a", "b"] * 5 or order == ["b", "a"] * 5
+    assert running.seat is not None
+    dispatcher.finish(running, running.seat)
     assert dispatcher.pool.total_inflight() == 0 and len(dispatcher.scheduler) == 0
 
 
