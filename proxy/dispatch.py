@@ -82,7 +82,9 @@ class Dispatcher:
         self.waits = Waits(
             pool, self.scheduler, self._flow, queue_of=self.scheduler.of, members=self.seats.members
         )
-        self._usage = RecentUsage()
+        #: Each pool's recent work per tenant (``None``: the one implicit pool): the
+        #: headroom rule compares a tenant's usage with its share *within* a pool.
+        self._usage: dict[str | None, RecentUsage] = {}
         self._grants = 0
         self._headroom_grants: dict[str, int] = {}
         #: The grant count at each pool's last grant from its queue: the pool served
@@ -161,7 +163,8 @@ class Dispatcher:
         for isolation, not extra throughput.
         """
         share = self.scheduler.share_in(model, tenant, priority)
-        return self._usage.fraction(tenant, now) < share
+        usage = self._usage.get(model)
+        return (usage.fraction(tenant, now) if usage is not None else 0.0) < share
 
     def predict_wait(
         self, tenant: str, priority: str, now: float, model: str | None = None
@@ -560,10 +563,14 @@ class Dispatcher:
         self._inflight[ticket.tenant] = self._inflight.get(ticket.tenant, 0) + 1
         if self._at_cap(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, True)
-        self._usage.record(ticket.tenant, ticket.cost, now)
+        usage = self._usage.get(ticket.model)
+        if usage is None:
+            usage = self._usage[ticket.model] = RecentUsage()
+        usage.record(ticket.tenant, ticket.cost, now)
         self._grants += 1
         if self._grants % USAGE_SWEEP_EVERY == 0:
-            self._usage.forget_idle(now)
+            for usage in self._usage.values():
+                usage.forget_idle(now)
             self.waits.forget_idle(now)
         if ticket.future is not None and not ticket.future.done():  # done: granted again
             ticket.future.set_result(seat)
@@ -580,7 +587,11 @@ class Dispatcher:
     ) -> Replica | None:
         """A free replica when the ticket may skip the queue: nobody waits in its pool,
         under its cap."""
-        if self.scheduler.depth_of_model(model) or self._reseating or self._at_cap(tenant):
+        if (
+            self.scheduler.depth_of_model(model)
+            or self._reseating.waiting_in(model)
+            or self._at_cap(tenant)
+        ):
             return None
         return self.seats.choose(model, affinity, cost)
 

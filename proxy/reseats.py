@@ -88,6 +88,19 @@ class Reseats:
         waiter.strict = False
         pump()
 
+    def waiting_in(self, model: str | None) -> bool:
+        """A retry of ``model``'s pool waits (``None`` on either side: the whole fleet).
+
+        A retry of another pool does not hold a new ticket back: a seat free at
+        that moment is one no waiting retry would take (each ``pump`` serves the
+        retries first), even on a replica the pools share.
+        """
+        return any(
+            waiter.model is None or model is None or waiter.model == model
+            for waiter in self._waiting
+            if not waiter.future.done()
+        )
+
     def serve(self) -> None:
         """Lease each waiting retry a free seat of its pool, where one fits its preference."""
         pool = self._seats.pool

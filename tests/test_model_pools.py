@@ -30,7 +30,7 @@ from proxy.affinity import AffinityKey, HashRing
 from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.models import ModelTable
-from proxy.replicas import Replica, ReplicaPool
+from proxy.replicas import Replica, ReplicaName, ReplicaPool
 from proxy.runtime import Rules
 from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, Config, ReplicaConfig, parse_config
@@ -501,6 +501,75 @@ async def test_pools_sharing_a_replica_take_its_seat_in_turn() -> None:
     assert order == ["a", "b"] * 5 or order == ["b", "a"] * 5
     assert running.seat is not None
     dispatcher.finish(running, running.seat)
+    assert dispatcher.pool.total_inflight() == 0 and len(dispatcher.scheduler) == 0
+
+
+async def test_headroom_compares_usage_within_the_pool() -> None:
+    """Fake clock: r0 serves a, r1 serves b, one seat and one headroom seat each.
+    Tenant light has worked only in pool b. Tenant flood, alone in pool a, gets no
+    headroom for its second ticket (a lone tenant never does, whatever it did
+    elsewhere); light, new to pool a, gets a's headroom seat at once."""
+    clock = FakeClock()
+    replicas = [
+        Replica(ReplicaConfig(name=n, url="http://127.0.0.1:1", max_concurrency=1, headroom=1))
+        for n in ("r0", "r1")
+    ]
+    limits = TenantLimits(max_concurrency=None, queue_capacity=64)
+    dispatcher = Dispatcher(
+        ReplicaPool(replicas), FairScheduler({"standard": 1.0}), clock,
+        {"flood": limits, "light": limits},
+    )  # fmt: skip
+    dispatcher.seats.models = ModelTable({"r0": ("a",), "r1": ("b",)}, {})
+    budgets = BudgetsConfig(queue_ms=60_000, total_ms=120_000)
+    for _ in range(6):
+        ticket = dispatcher.enqueue_in(
+            "b", "light", "standard", 10.0, Deadline.start(clock.now(), budgets)
+        )
+        clock.advance(0.1)
+        assert ticket.seat is not None
+        dispatcher.finish(ticket, ticket.seat)
+    deadline = Deadline.start(clock.now(), budgets)
+    first = dispatcher.enqueue_in("a", "flood", "standard", 10.0, deadline)
+    second = dispatcher.enqueue_in("a", "flood", "standard", 10.0, deadline)
+    assert first.seat is not None and not first.seat.headroom
+    assert second.seat is None  # queued: no headroom for the pool's only tenant
+    light = dispatcher.enqueue_in("a", "light", "standard", 10.0, deadline)
+    assert light.seat is not None and light.seat.headroom
+    assert light.seat.replica.name == "r0"
+    for ticket in (first, light):
+        assert ticket.seat is not None
+        dispatcher.finish(ticket, ticket.seat)
+    seat = await dispatcher.wait(second)
+    dispatcher.finish(second, seat)
+    assert dispatcher.pool.total_inflight() == 0 and len(dispatcher.scheduler) == 0
+
+
+async def test_a_retry_waiting_in_one_pool_does_not_hold_back_another() -> None:
+    """Fake clock: r0 serves a, r1 serves b, one seat each. A retry of pool a waits
+    for a seat (r0's is held); a new b ticket of a tenant with no queue room starts at
+    once on r1, while a new a ticket still queues behind the retry."""
+    clock = FakeClock()
+    dispatcher = two_pool_dispatcher(clock)
+    dispatcher.set_limits({
+        "t": TenantLimits(max_concurrency=None, queue_capacity=64),
+        "z": TenantLimits(max_concurrency=None, queue_capacity=0),
+    })  # fmt: skip
+    deadline = Deadline.start(clock.now(), BUDGETS)
+    held = dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline)
+    retry = asyncio.create_task(dispatcher.reseat(frozenset({ReplicaName("r0")}), 30.0, "a"))
+    await wait_for(lambda: len(dispatcher._reseating) == 1)
+    other = dispatcher.enqueue_in("b", "z", "standard", 1.0, deadline)
+    assert other.seat is not None and other.seat.replica.name == "r1"
+    queued = dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline)
+    assert queued.seat is None
+    assert held.seat is not None and other.seat is not None
+    dispatcher.finish(other, other.seat)
+    dispatcher.finish(held, held.seat)  # r0's seat goes to the retry first
+    seat = await retry
+    assert seat.replica.name == "r0" and queued.seat is None
+    dispatcher.release(seat)
+    seat = await dispatcher.wait(queued)
+    dispatcher.finish(queued, seat)
     assert dispatcher.pool.total_inflight() == 0 and len(dispatcher.scheduler) == 0
 
 
