@@ -316,6 +316,7 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
     pools = {
         model: {
             "replicas": sorted(table.pool(model)),
+            "aliases": table.aliases_of(model),
             "queued": dispatcher.scheduler.depth_of_model(model),
         }
         for model in sorted(table.served_models())

@@ -304,6 +304,11 @@ class ModelTable:
         """Aliases that a discovered model of the same name makes unreachable."""
         return frozenset(self._aliases) & self.served_models()
 
+    def aliases_of(self, model: str) -> list[str]:
+        """The aliases that reach ``model`` (shadowed ones left out), sorted."""
+        shadowed = self.shadowed_aliases()
+        return sorted(a for a, t in self._aliases.items() if t == model and a not in shadowed)
+
     def pool(self, model: str) -> frozenset[str]:
         """Replicas serving ``model`` (after alias resolution), healthy or not."""
         served = self.resolve(model)

@@ -20,6 +20,7 @@ from proxy.loadtest.phases_report import write_phases_report
 from proxy.loadtest.report import write_staircase_report
 from proxy.loadtest.scrape import parse_metrics
 from proxy.loadtest.staircase import StaircasePlan, run_staircase
+from proxy.loadtest.target import pool_in_state, pool_labels
 from proxy.loadtest.workload import workload_from_mapping
 from proxy.sim import SimConfig, SimServer, start_sim
 from tests.conftest import ProxyUnderTest
@@ -83,6 +84,45 @@ async def test_staircase_with_model_loads_only_that_pool(
     write_staircase_report(result, tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["model"] == "beta"
     assert "model `beta`" in (tmp_path / "report.md").read_text()
+
+
+async def test_staircase_through_an_alias_measures_its_pool(
+    start_proxy: Start, two_pools: dict[str, SimServer]
+) -> None:
+    """--model names an alias of beta: /admin/state lists it under beta's pool, beta's
+    replica gets the load, and no note says the name is no pool; a name that is no
+    pool at all gets that note (its figures are the fleet's)."""
+    config = make_config([], **pool_config(two_pools), model_aliases={"b-alias": "beta"})
+    proxy = await start_proxy(config, access_log=False)
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["pools"]["beta"]["aliases"] == ["b-alias"]
+    before = {name: submitted(sim) for name, sim in two_pools.items()}
+    plan = StaircasePlan(
+        url=proxy.url, model="b-alias", levels=(1,), requests_per_level=4, max_tokens=4,
+        input_tokens=(8, 16), api_key=KEY_A, cool_down_s=0.0,
+    )  # fmt: skip
+    result = await run_staircase(plan)
+    assert all(level.error_count == 0 for level in result.levels), result.levels
+    assert submitted(two_pools["beta"]) > before["beta"]
+    assert submitted(two_pools["alpha"]) == before["alpha"]
+    assert not [n for n in result.notes if "no model pool" in n], result.notes
+    stray = await run_staircase(replace(plan, model="gamma", levels=(1,), requests_per_level=1))
+    assert [n for n in stray.notes if "'gamma' is no model pool" in n], stray.notes
+
+
+def test_a_pool_is_found_by_its_name_or_an_alias() -> None:
+    """/admin/state's pools: beta by name and through its alias, nothing for a stranger;
+    the proxy's pool gauge names the pools."""
+    state = {"pools": {"alpha": {"aliases": []}, "beta": {"aliases": ["b-alias"]}}}
+    assert pool_in_state(state, "beta") == "beta"
+    assert pool_in_state(state, "b-alias") == "beta"
+    assert pool_in_state(state, "gamma") is None
+    metrics = (
+        "# TYPE admission_model_queue_depth gauge\n"
+        'admission_model_queue_depth{model="beta"} 0.0\n'
+        'admission_model_queue_depth{model="alpha"} 2.0\n'
+    )
+    assert pool_labels(metrics) == ["alpha", "beta"]
 
 
 async def test_phases_with_model_loads_only_that_pool(

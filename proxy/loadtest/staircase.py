@@ -40,7 +40,14 @@ from proxy.loadtest.progress import Progress
 from proxy.loadtest.resources import LevelResources, ResourceSampler
 from proxy.loadtest.results import RequestResult, RequestSpec
 from proxy.loadtest.scrape import MetricsSampler, ScrapeTarget
-from proxy.loadtest.target import Busy, TargetInfo, identify, is_loopback, read_busy
+from proxy.loadtest.target import (
+    Busy,
+    TargetInfo,
+    identify,
+    is_loopback,
+    read_busy,
+    resolve_pool,
+)
 from proxy.telemetry.gpu import GpuProbe
 
 __all__ = [
@@ -238,7 +245,12 @@ async def run_staircase(plan: StaircasePlan, progress: Progress | None = None) -
         info = await identify(session, plan.base_url, plan.admin_headers())
         notes.extend(info.notes)
         cool_down = _cool_down(plan, info, notes)
-        pool = model if plan.model else None
+        pool = None
+        if plan.model:
+            pool, note = await resolve_pool(
+                session, plan.base_url, info, plan.admin_headers(), plan.model, plan.scrape_url
+            )
+            notes.extend([note] if note else [])
         sampler = MetricsSampler(plan.scrape_url, zero, plan.metrics_interval_s, pool)
         resources = ResourceSampler(
             info,

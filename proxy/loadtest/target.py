@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.health import parse_engine_metrics
 
@@ -246,11 +247,84 @@ class Busy:
         return f"{self.inflight:g} in flight, {self.queued:g} queued ({self.source})"
 
 
+def pool_in_state(state: Mapping[str, Any], model: str) -> str | None:
+    """The pool ``model`` reaches in ``/admin/state``'s ``pools``: itself or an alias's target."""
+    pools: Mapping[str, Any] = state.get("pools") or {}
+    if model in pools:
+        return model
+    for name, pool in pools.items():
+        if isinstance(pool, Mapping) and model in (pool.get("aliases") or ()):
+            return str(name)
+    return None
+
+
+async def resolve_pool(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    info: TargetInfo,
+    admin_headers: Mapping[str, str],
+    model: str,
+    metrics_url: str | None = None,
+) -> tuple[str, str | None]:
+    """The pool name ``--model`` is measured by (an alias's target), and a note when the
+    proxy does not route it to a pool (its fleet-wide figures are read instead).
+
+    The proxy's gauges and ``/admin/state`` name pools by the model served, so an
+    alias must be resolved: through ``/admin/state`` (its pools list their
+    aliases); without the admin API the pool gauge's labels on ``metrics_url``
+    can only tell that the name is not a pool.
+    """
+    if not info.is_proxy:
+        return model, None
+    pools: list[str] | None = None
+    if info.admin:
+        answer = await _get(session, base_url + "/admin/state", admin_headers)
+        try:
+            state = json.loads(answer[1]) if answer is not None and answer[0] == 200 else None
+        except ValueError:
+            state = None
+        if isinstance(state, dict):
+            pool = pool_in_state(state, model)
+            if pool is not None:
+                return pool, None
+            pools = sorted(state.get("pools") or {})
+    if pools is None and metrics_url is not None:
+        answer = await _get(session, metrics_url, {})
+        if answer is not None and answer[0] == 200:
+            try:
+                pools = pool_labels(answer[1])
+            except ValueError:
+                pools = None
+            if pools is not None and (model in pools or not pools):
+                return model, None  # a pool, or a proxy whose gauge lists none yet
+    if pools is None:
+        return model, None
+    listed = ", ".join(pools) or "none: it does not route by model"
+    return model, (
+        f"--model {model!r} is no model pool of the proxy (pools: {listed}; an alias "
+        "resolves only with the admin API): idle checks and queue depth read for the "
+        "whole fleet"
+    )
+
+
+def pool_labels(text: str) -> list[str]:
+    """The pools a proxy's ``/metrics`` names (``admission_model_queue_depth``), sorted."""
+    return sorted(
+        {
+            sample.labels.get("model", "")
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "admission_model_queue_depth"
+        }
+    )
+
+
 def _busy_from_state(state: Mapping[str, Any], model: str | None) -> Busy:
-    """In flight and queued from ``/admin/state``: one pool's when ``model`` names one."""
+    """In flight and queued from ``/admin/state``: one pool's when ``model`` reaches one."""
     replicas: Mapping[str, Any] = state.get("replicas") or {}
     pools: Mapping[str, Any] = state.get("pools") or {}
-    pool = pools.get(model) if model else None
+    name = pool_in_state(state, model) if model else None
+    pool = pools.get(name) if name else None
     if pool is not None:
         members = set(pool.get("replicas") or [])
         chosen = [r for name, r in replicas.items() if name in members]
@@ -267,7 +341,7 @@ def _busy_from_state(state: Mapping[str, Any], model: str | None) -> Busy:
     engine_waiting = sum(
         float((r.get("engine") or {}).get("waiting") or 0) for r in chosen if r.get("engine")
     )
-    source = "proxy /admin/state" + (f", pool {model}" if pool is not None else "")
+    source = "proxy /admin/state" + (f", pool {name}" if pool is not None else "")
     return Busy(max(inflight, engine_running), queued + engine_waiting, source)
 
 
