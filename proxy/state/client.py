@@ -19,9 +19,9 @@ Scripts are sent by EVALSHA and loaded again on NOSCRIPT (redis-py's
 ``register_script``), so a restarted Redis with an empty script cache costs
 one extra round trip, not an error.
 
-A call that timed out may still have run on the server: a lease it took is
-never renewed and frees within ``lease_ms``; a token it took is lost. Both
-err on the side of admitting less, never more.
+A call that timed out or was cancelled may still have run on the server: a
+lease it took is never renewed and frees within ``lease_ms``; a token it took
+is lost. Both err on the side of admitting less, never more.
 """
 
 from __future__ import annotations
