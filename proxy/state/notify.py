@@ -9,10 +9,9 @@ its job), unlike the client's short-timeout pool.
 Messages sent while the subscription was down are lost, so after every
 (re)subscription ``on_freed`` is called once per channel: waiters re-check
 instead of waiting for a message that already went by. Reconnection backs
-off from 50 ms to 1 s: this loop's own, with redis-py's retries off, so a lost
-connection always comes back through a resubscription above. ``run`` belongs
-to the owner's ``cleanup_ctx`` and ends at its first ``cancel()``, even one
-redis-py lost while it subscribed (``proxy.tasks.keep_cancellation``).
+off from 50 ms to 1 s. ``run`` belongs to the owner's ``cleanup_ctx`` and
+ends at its first ``cancel()``, even one redis-py lost while it subscribed
+(``proxy.tasks.keep_cancellation``).
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.tasks import keep_cancellation
@@ -82,7 +79,6 @@ class FreedListener:
         redis = Redis.from_url(
             self._url,
             socket_connect_timeout=self._connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
         try:
