@@ -11,15 +11,17 @@ call that succeeds flips it back up: no restart, no reconnect loop here.
 While down, calls within ``PROBE_INTERVAL_S`` of the last failure fail at once
 without asking Redis (not counted as errors again): a request then costs no
 ``timeout_ms`` at all, and one call per interval finds out whether Redis is
-back.
+back. A call during which the task was cancelled raises ``CancelledError``,
+never a result or ``StateDown``: a loop that retries on ``StateDown`` would
+otherwise outlive its ``cancel()`` (``proxy.tasks.keep_cancellation``).
 
 Scripts are sent by EVALSHA and loaded again on NOSCRIPT (redis-py's
 ``register_script``), so a restarted Redis with an empty script cache costs
 one extra round trip, not an error.
 
-A call that timed out may still have run on the server: a lease it took is
-never renewed and frees within ``lease_ms``; a token it took is lost. Both
-err on the side of admitting less, never more.
+A call that timed out or was cancelled may still have run on the server: a
+lease it took is never renewed and frees within ``lease_ms``; a token it took
+is lost. Both err on the side of admitting less, never more.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from redis.exceptions import RedisError
 
 from proxy.clock import Clock
 from proxy.settings import StateConfig
+from proxy.tasks import keep_cancellation
 
 OnFailure = Literal["local_share", "reject"]
 #: While down, how long calls fail without trying Redis after a failure.
@@ -143,8 +146,9 @@ class StateClient:
         script = self.script(source)
         argv = [self.now_arg(), *(str(a) for a in args)]
         try:
-            async with asyncio.timeout(self.config.timeout_ms / 1000):
-                result = await script(keys=list(keys), args=argv, client=self._redis)
+            with keep_cancellation():  # redis-py may lose a cancel (see proxy.tasks)
+                async with asyncio.timeout(self.config.timeout_ms / 1000):
+                    result = await script(keys=list(keys), args=argv, client=self._redis)
         except (RedisError, OSError, TimeoutError) as exc:
             raise self._failed(exc) from exc
         self._succeeded()

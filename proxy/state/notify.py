@@ -9,7 +9,9 @@ its job), unlike the client's short-timeout pool.
 Messages sent while the subscription was down are lost, so after every
 (re)subscription ``on_freed`` is called once per channel: waiters re-check
 instead of waiting for a message that already went by. Reconnection backs
-off from 50 ms to 1 s. ``run`` belongs to the owner's ``cleanup_ctx``.
+off from 50 ms to 1 s. ``run`` belongs to the owner's ``cleanup_ctx`` and
+ends at its first ``cancel()``, even one redis-py lost while it subscribed
+(``proxy.tasks.keep_cancellation``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Callable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+from proxy.tasks import keep_cancellation
 
 #: Reconnection backoff bounds, seconds.
 FIRST_BACKOFF_S = 0.05
@@ -65,7 +69,7 @@ class FreedListener:
         backoff = FIRST_BACKOFF_S
         while True:
             before = self.subscriptions
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            with contextlib.suppress(RedisError, OSError, TimeoutError), keep_cancellation():
                 await self._listen()
             backoff = FIRST_BACKOFF_S if self.subscriptions != before else backoff
             await asyncio.sleep(backoff)
@@ -79,14 +83,16 @@ class FreedListener:
         )
         try:
             async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                if self._channels:
-                    await pubsub.subscribe(*self._channels)
-                if self._patterns:
-                    await pubsub.psubscribe(*self._patterns)
-                # The subscription is confirmed once its reply is read; until then a
-                # publish may be missed, so the channels are only reported open after it.
-                for _ in range(len(self._channels) + len(self._patterns)):
-                    await pubsub.get_message(timeout=self._connect_timeout_s)
+                # A cancel lost here would leave the loop below waiting for messages.
+                with keep_cancellation():
+                    if self._channels:
+                        await pubsub.subscribe(*self._channels)
+                    if self._patterns:
+                        await pubsub.psubscribe(*self._patterns)
+                    # The subscription is confirmed once its reply is read; until then a
+                    # publish may be missed, so the channels are only reported open after it.
+                    for _ in range(len(self._channels) + len(self._patterns)):
+                        await pubsub.get_message(timeout=self._connect_timeout_s)
                 self.subscriptions += 1
                 self.subscribed.set()
                 for channel in (*self._channels, *self._patterns):
