@@ -841,7 +841,7 @@ async def test_model_metrics_state_log_and_span(
     metrics = await (await proxy.client.get("/metrics")).text()
     assert 'admission_model_queue_depth{model="llama"} 2.0' in metrics
     state = await (await proxy.client.get("/admin/state")).json()
-    assert state["pools"]["llama"] == {"replicas": ["r0"], "queued": 2}
+    assert state["pools"]["llama"] == {"replicas": ["r0"], "aliases": ["mini"], "queued": 2}
     assert state["pools"]["qwen"]["replicas"] == ["r1"]
     assert state["replicas"]["r0"]["models"] == ["llama"]
     assert state["replicas"]["r1"]["pool"] == "qwen"
