@@ -77,6 +77,7 @@ MAX_TIMEOUT_DIGITS = 10
 #: deeper ones only cost parsing here and in the engine (whose parser may recurse).
 MAX_JSON_DEPTH = 64
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_RUN = re.compile(rb"[\[{]+|[\]}]+")
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
@@ -286,7 +287,15 @@ async def _admit(
     seatless = method in ("GET", "HEAD") or route in SEATLESS_PATHS
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
-    model, pool, body = _choose_pool(doc, body, tenant_config.allowed_models, runtime, record)
+    listing = (
+        (route == "/v1/models" or route.startswith("/v1/models/"))
+        and method == "GET"
+        and runtime.models.pooled
+    )
+    routed = doc
+    if not inference and (body or method not in ("GET", "HEAD")) and not listing:
+        routed = _model_document(body, runtime)  # any other route's model picks its pool too
+    model, pool, body = _choose_pool(routed, body, tenant_config.allowed_models, runtime, record)
     if doc is not None and _degrading(priority, rules, runtime):
         capped = cap_max_tokens(doc, route, config.overload.max_tokens_cap or 0)
         if capped is not None:
@@ -294,11 +303,6 @@ async def _admit(
                 capped["model"] = model  # the alias's target, as _choose_pool sent it
             doc, body = capped, json.dumps(capped).encode()
             record.degraded = MAX_TOKENS
-    listing = (
-        (route == "/v1/models" or route.startswith("/v1/models/"))
-        and method == "GET"
-        and runtime.models.pooled
-    )
     routing = config.routing
     affinity = None
     if doc is not None and routing.policy == "prefix_affinity":
@@ -371,11 +375,12 @@ def _choose_pool(
 ) -> tuple[str | None, frozenset[str] | None, bytes]:
     """The served model, its replicas and the body to send; or the model refusal.
 
-    Only an inference body is routed by model, and only while the table is
-    ``pooled`` (``models.py``): a single-model deployment without static
-    lists, aliases or ``allowed_models`` sends every body unchanged to any
-    replica. The body is rewritten only when the client named an alias, so
-    the replica gets the model it serves.
+    A body is routed by model only while the table is ``pooled``
+    (``models.py``): a single-model deployment without static lists, aliases
+    or ``allowed_models`` sends every body unchanged to any replica. ``doc``
+    is ``None`` for a request not routed (a GET without a body). The body is
+    rewritten only when the client named an alias, so the replica gets the
+    model it serves.
     """
     table = runtime.models
     if doc is None or not table.pooled:
@@ -391,6 +396,37 @@ def _choose_pool(
     if isinstance(asked, str) and asked != choice.model:
         body = json.dumps({**doc, "model": choice.model}).encode()  # ASCII: lone surrogates too
     return choice.model, choice.replicas, body
+
+
+def _model_document(body: bytes, runtime: Runtime) -> dict[str, Any] | None:
+    """What a non-inference route's body says of its model, while routing by model.
+
+    Not pooled: ``None`` (unrouted, nothing parsed). A JSON object is routed
+    by its ``model`` as an inference body is, so ``allowed_models`` holds on
+    every forwarded route (``/v1/rerank``, llama.cpp's ``/completion``...).
+    Any other body (empty, form data, binary, a JSON array) names no model:
+    it goes to the only pool when exactly one exists; with several it cannot
+    be placed, and a replica chosen at random would bypass ``allowed_models``,
+    so it is refused 400.
+    """
+    table = runtime.models
+    if not table.pooled:
+        return None
+    doc = None
+    if _JSON_OBJECT_START.match(body) and not json_too_deep(body, MAX_JSON_DEPTH):
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            doc = None
+    if isinstance(doc, dict):
+        return doc
+    served = len(table.served_models())
+    if served > 1:
+        raise BadRequest(
+            f"{served} models are served and this body is not a JSON object naming one: "
+            f"send a JSON body with model"
+        )
+    return {}
 
 
 def _identify(headers: CIMultiDictProxy[str], rules: Rules) -> str:

@@ -106,7 +106,7 @@ class Exchange:
         if self.admitted.listing:
             return self._list_models()
         if self.admitted.seatless:
-            replica = runtime.pool.choose_any()
+            replica = runtime.pool.choose_any(self.admitted.pool)
             if replica is None:
                 raise NoHealthyReplica(
                     "no replica is serving", retry_after_s=runtime.health.earliest_return_s()

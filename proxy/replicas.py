@@ -314,9 +314,14 @@ class ReplicaPool:
             return None
         return best[0] if len(best) == 1 else self._rng.choice(best)
 
-    def choose_any(self) -> Replica | None:
-        """A serving replica for seatless requests (GET, /v1/models): least loaded."""
-        serving = [r for r in self._by_name.values() if r.serving and not r.ejected]
+    def choose_any(self, among: frozenset[str] | None = None) -> Replica | None:
+        """A serving replica for seatless requests (GET, /v1/models): least loaded;
+        one of ``among`` (the request's model pool) when given."""
+        serving = [
+            r
+            for r in self._by_name.values()
+            if r.serving and not r.ejected and (among is None or r.name in among)
+        ]
         if not serving:
             return None
         return min(serving, key=lambda r: (r.load, self._rng.random()))

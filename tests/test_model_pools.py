@@ -33,7 +33,7 @@ from proxy.models import ModelTable
 from proxy.replicas import Replica, ReplicaName, ReplicaPool
 from proxy.runtime import Rules
 from proxy.scheduler import FairScheduler, Ticket
-from proxy.settings import BudgetsConfig, Config, ReplicaConfig, parse_config
+from proxy.settings import DEFAULT_ROUTES, BudgetsConfig, Config, ReplicaConfig, parse_config
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for
 
@@ -929,4 +929,198 @@ async def test_prefix_affinity_by_prompt_prefix_end_to_end(
             assert resp.status == 200
         grew = [len(state.bodies) - b for (_, state), b in zip(servers, before, strict=True)]
         assert sorted(grew) == [0, 0, 3], system
+    proxy.assert_idle()
+
+
+#: Every default forwarded route a client POSTs a body to (``GET /v1/models`` is the listing).
+POST_ROUTES = [route for route in DEFAULT_ROUTES if route != "/v1/models"]
+
+
+@dataclass
+class RouteReplica:
+    """A replica answering every default POST route; it keeps ``(path, body)`` of each."""
+
+    models: list[str]
+    seen: list[tuple[str, bytes]] = field(default_factory=list)
+    listed: int = 0
+
+
+ROUTE_REPLICA: web.AppKey[RouteReplica] = web.AppKey("route_replica", RouteReplica)
+
+
+async def _any_route(request: web.Request) -> web.Response:
+    body = await request.read()
+    if request.headers.get("X-Request-Id") != "admission-warmup":
+        request.app[ROUTE_REPLICA].seen.append((request.path, body))
+    return web.json_response({"ok": True})
+
+
+async def _route_list(request: web.Request) -> web.Response:
+    state = request.app[ROUTE_REPLICA]
+    state.listed += 1
+    data = [{"id": m, "object": "model"} for m in state.models]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def start_route_replica(
+    aiohttp_server: ServerFactory, models: list[str]
+) -> tuple[str, RouteReplica]:
+    app = web.Application()
+    app[ROUTE_REPLICA] = state = RouteReplica(list(models))
+    app.router.add_get("/v1/models", _route_list)
+    app.router.add_get("/health", _health)
+    for route in POST_ROUTES:
+        app.router.add_post(route, _any_route)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/"), state
+
+
+async def route_pools(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> tuple[ProxyUnderTest, RouteReplica, RouteReplica]:
+    """r0 serves llama (alias mini), r1 serves qwen; tenant b may use only qwen."""
+    url0, llama = await start_route_replica(aiohttp_server, ["llama"])
+    url1, qwen = await start_route_replica(aiohttp_server, ["qwen"])
+    config = pooled_config(
+        [url0, url1], [["llama"], ["qwen"]], tenants=TENANTS, model_aliases={"mini": "llama"}
+    )
+    proxy = await start_proxy(config)
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    return proxy, llama, qwen
+
+
+async def test_every_forwarded_route_is_routed_and_checked_by_model(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Not only inference routes: on every default POST route (/v1/rerank, llama.cpp's
+    /completion, /infill, seatless /tokenize...) the JSON body's model picks the pool,
+    allowed_models holds (403, no seat), an unknown model is 404 and an alias is
+    rewritten to its target."""
+    proxy, llama, qwen = await route_pools(aiohttp_server, start_proxy)
+    for route in POST_ROUTES:
+        for headers, model, status, reason in (
+            (AUTH_B, "llama", 403, "model_not_allowed"),
+            (AUTH_B, "mini", 403, "model_not_allowed"),
+            (AUTH_A, "gpt-9", 404, "model_not_found"),
+        ):
+            resp = await proxy.client.post(
+                route,
+                json={"model": model, "query": "q", "documents": ["d"]},
+                headers={**headers, "X-Request-Id": "route-1"},
+            )
+            assert resp.status == status, (route, model)
+            assert resp.headers["X-Admission-Reason"] == reason
+            assert resp.headers["X-Request-Id"] == "route-1"
+            error = (await resp.json())["error"]
+            assert error["code"] == reason and error["type"] == "admission_error"
+        assert llama.seen == [] and qwen.seen == [], route
+        proxy.assert_idle()
+    raw = b'{"model":  "qwen",  "content": "x"}'
+    for route in POST_ROUTES:
+        for _ in range(4):  # a replica picked at random would miss one in 2 per request
+            resp = await proxy.client.post(
+                route, data=raw, headers={**AUTH_B, "Content-Type": "application/json"}
+            )
+            assert resp.status == 200, route
+            resp = await proxy.client.post(
+                route, json={"model": "mini", "query": "q"}, headers=AUTH_A
+            )
+            assert resp.status == 200, route
+    assert qwen.seen == [(route, raw) for route in POST_ROUTES for _ in range(4)]
+    assert [(path, json.loads(body)) for path, body in llama.seen] == [
+        (route, {"model": "llama", "query": "q"}) for route in POST_ROUTES for _ in range(4)
+    ]
+    proxy.assert_idle()
+
+
+async def test_seatless_tokenize_goes_to_its_pools_replica(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """/tokenize and /detokenize take no seat, yet reach a replica serving the model named."""
+    proxy, llama, qwen = await route_pools(aiohttp_server, start_proxy)
+    for _ in range(8):
+        for route in ("/tokenize", "/detokenize"):
+            resp = await proxy.client.post(route, json={"model": "qwen"}, headers=AUTH_A)
+            assert resp.status == 200
+            resp = await proxy.client.post(route, json={"model": "llama"}, headers=AUTH_A)
+            assert resp.status == 200
+    assert [json.loads(body)["model"] for _, body in qwen.seen] == ["qwen"] * 16
+    assert [json.loads(body)["model"] for _, body in llama.seen] == ["llama"] * 16
+    assert proxy.runtime.dispatcher.scheduler.depth("a") == 0
+    proxy.assert_idle()
+
+
+FORM = b'--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\nqwen\r\n--XyZ--\r\n'
+FORM_TYPE = "multipart/form-data; boundary=XyZ"
+
+
+async def test_a_body_naming_no_model_goes_to_the_only_pool_else_is_refused(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """A body without a JSON model (llama.cpp's /completion without model, form data,
+    a JSON array, broken JSON) cannot be placed among several pools: 400 bad_request,
+    nothing upstream. With one pool it goes there byte for byte, allowed_models still held."""
+    proxy, llama, qwen = await route_pools(aiohttp_server, start_proxy)
+    bodies = [
+        (b'{"prompt": "x"}', "application/json"),
+        (FORM, FORM_TYPE),
+        (b'[{"model": "qwen"}]', "application/json"),
+        (b'{"model": "qwen"', "application/json"),
+        (b"", "application/json"),
+    ]
+    for route in ("/completion", "/v1/rerank", "/tokenize"):
+        for body, content_type in bodies:
+            resp = await proxy.client.post(
+                route, data=body, headers={**AUTH_A, "Content-Type": content_type}
+            )
+            assert resp.status == 400, (route, body)
+            assert resp.headers["X-Admission-Reason"] == "bad_request"
+            assert (await resp.json())["error"]["code"] == "bad_request"
+    assert llama.seen == [] and qwen.seen == []
+    proxy.assert_idle()
+
+    url, only = await start_route_replica(aiohttp_server, ["qwen"])
+    tenants = {**TENANTS, "c": {"api_keys": ["sk-c-000000000000"], "allowed_models": ["x"]}}
+    one = await start_proxy(pooled_config([url], [None], tenants=tenants))  # c: any name
+    await wait_for(lambda: one.runtime.models.served_models() == {"qwen"})
+    await wait_for(lambda: all(r.serving for r in one.runtime.pool.replicas))
+    for body, content_type in bodies:
+        resp = await one.client.post(
+            "/v1/rerank", data=body, headers={**AUTH_B, "Content-Type": content_type}
+        )
+        assert resp.status == 200, body
+        resp = await one.client.post(
+            "/v1/rerank",
+            data=body,
+            headers={"Authorization": "Bearer sk-c-000000000000", "Content-Type": content_type},
+        )
+        assert resp.status == 403, body
+        assert resp.headers["X-Admission-Reason"] == "model_not_allowed"
+    assert only.seen == [("/v1/rerank", body) for body, _ in bodies]
+    one.assert_idle()
+
+
+async def test_without_pools_any_route_is_forwarded_byte_for_byte(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """The single-model deployment parses nothing on other routes: any model name,
+    broken JSON and form data reach the replica unchanged (a guard: unchanged behaviour)."""
+    url, replica = await start_route_replica(aiohttp_server, ["m"])
+    proxy = await start_proxy(make_config([url], seats=1))
+    await wait_for(lambda: replica.listed > 0)
+    assert not proxy.runtime.models.pooled
+    bodies = [
+        (b'{"model":  "anything", "query": "q"}', "application/json"),
+        (b'{"model": 7', "application/json"),
+        (FORM, FORM_TYPE),
+    ]
+    for route in ("/v1/rerank", "/completion", "/tokenize"):
+        for body, content_type in bodies:
+            resp = await proxy.client.post(
+                route, data=body, headers={**AUTH_A, "Content-Type": content_type}
+            )
+            assert resp.status == 200, (route, body)
+    assert replica.seen == [
+        (route, body) for route in ("/v1/rerank", "/completion", "/tokenize") for body, _ in bodies
+    ]
     proxy.assert_idle()
