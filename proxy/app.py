@@ -134,7 +134,7 @@ def build_runtime(
     configure_models(models, config)
     dispatcher.seats.models = models
     dispatcher.seats.affinity.max_load_factor = config.routing.max_load_factor
-    health = Health(pool, config, clock, dispatcher.pump, models=models)
+    health = Health(pool, config, clock, dispatcher.fleet_changed, models=models)
     rng = random.Random(seed)
     retry_policy = RetryPolicy(config.retry, rng)
     retry_budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries_per_s, clock)

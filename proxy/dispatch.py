@@ -225,6 +225,9 @@ class Dispatcher:
             )
             if observed is not None:
                 return observed
+        gone = self.seats.unserved(model)  # dropped since the entrance chose it
+        if gone is not None:
+            raise gone.error()
         depth = self.scheduler.depth(tenant)
         refusal = admission.queue_refusal(
             tenant, self.limits_for(tenant), depth, at_cap=self._at_cap(tenant),
@@ -372,6 +375,9 @@ class Dispatcher:
             self.scheduler.finished(ticket, 0.0)  # popped: undo the charge of that dispatch
         if self._closed is not None:
             raise self._closed
+        gone = self.seats.unserved(ticket.model)
+        if gone is not None:
+            raise gone.error()
         now = self._clock.now()
         if ticket.expires_at <= now:
             raise self._expiry(ticket, now)
@@ -495,6 +501,28 @@ class Dispatcher:
         self.waits.ended(ticket.id, held)
         self._overflow.ended(ticket.id)
         self.release(seat)
+
+    def fleet_changed(self) -> None:
+        """Health, discovery or the GPU guard changed a replica: answer the waiters
+        of a model no replica lists any more, then hand free seats out (``pump``)."""
+        self.refuse_unserved()
+        self.pump()
+
+    def refuse_unserved(self) -> None:
+        """404 ``model_not_found`` now for the queued tickets and waiting retries of a
+        model that no replica lists any more (discovery lost it, a reload removed it).
+
+        A new request for it is refused so at the entrance, and no seat of its pool can
+        ever come, so its waiters get the same answer at once instead of waiting out
+        their budgets. A pool whose replicas still list the model but are ejected or
+        drained keeps its queue: they keep their models and may return.
+        """
+        for model in self.scheduler.waiting_models():
+            gone = self.seats.unserved(model)
+            if gone is not None and model is not None:
+                for ticket in self.scheduler.drop(model):
+                    self._fail(ticket, gone.error())
+        self._reseating.refuse_unserved()
 
     def close(self) -> None:
         """Shutting down: refuse new tickets and answer every queued one."""

@@ -12,7 +12,8 @@ Rules the contract left open, decided here:
 
 - **Static beats discovered.** A replica whose ``models`` is configured never
   changes its membership from discovery; one with ``models: null`` serves
-  whatever its last parsable ``/v1/models`` listed (nothing before the first).
+  whatever its last parsable ``/v1/models`` listed (nothing before the first,
+  or its former static list when a reload turned it to ``null``).
   An unparsable answer keeps the last known set: a garbled probe must not
   empty a pool.
 - **Aliases are one step.** ``model_aliases`` maps a client-facing name to a
@@ -227,17 +228,19 @@ class ModelTable:
     ) -> None:
         """A reloaded config: static lists and aliases replaced, discoveries kept.
 
-        A replica that turns from static to discovered serves nothing until its
-        next probe; a replica gone from the config is forgotten.
+        A replica that turns from static to discovered keeps its static list as
+        its last known set until its own ``GET /v1/models`` answers (its next
+        probe), rather than discover at once on reload: nothing it served a
+        moment ago is refused meanwhile, and a replica that cannot answer is no
+        worse off than before the reload. A replica gone from the config is
+        forgotten.
         """
         served: dict[str, frozenset[str]] = {}
         for name, models in replicas.items():
             if models is not None:
                 served[name] = frozenset(models)
-            elif name not in self._static:
-                served[name] = self._served.get(name, frozenset())
             else:
-                served[name] = frozenset()
+                served[name] = self._served.get(name, frozenset())
         self._static = frozenset(name for name, models in replicas.items() if models is not None)
         self._served = served
         self._aliases = dict(aliases)

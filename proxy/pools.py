@@ -7,7 +7,8 @@ backlog (a single queue would hand the head ticket a seat it cannot use, or
 make every other pool wait for it). ``PoolQueues`` keeps the ``Scheduler``
 protocol for everything that reads the queue as a whole (depths, length,
 weights, blocking a tenant at its cap), and adds ``pop_from`` and
-``waiting_models`` for the dispatcher's pump. Tickets with ``model is None``
+``waiting_models`` for the dispatcher's pump, and ``drop`` for a pool whose
+model no replica lists any more. Tickets with ``model is None``
 (a deployment not routed by model, ``ModelTable.pooled``) use the default
 scheduler: exactly the single queue of before.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from proxy.affinity import AffinityKey, HashRing
-from proxy.models import ModelTable
+from proxy.models import ModelRefusal, ModelTable
 from proxy.prefill import PrefillLedger
 from proxy.replicas import Replica, ReplicaPool, Seat
 from proxy.scheduler import Scheduler, Ticket
@@ -64,6 +65,20 @@ class PoolQueues:
 
     def pop_from(self, model: str | None) -> Ticket | None:
         return self.of(model).pop()
+
+    def drop(self, model: str) -> list[Ticket]:
+        """Take every ticket of ``model``'s pool out and forget the pool (no replica
+        lists the model any more). Tenants blocked at their cap are emptied too; a
+        pool made again later (the model back) starts with fresh tags."""
+        queue = self._by_model.pop(model, None)
+        if queue is None:
+            return []
+        for tenant in self._blocked:
+            queue.set_blocked(tenant, False)
+        tickets: list[Ticket] = []
+        while (ticket := queue.pop()) is not None:
+            tickets.append(ticket)
+        return tickets
 
     def share_in(self, model: str | None, tenant: str, priority: str) -> float:
         return self.of(model).share_of(tenant, priority)
@@ -209,6 +224,17 @@ class PoolSeats:
         if model is None or self.models is None:
             return None
         return self.models.pool(model)
+
+    def unserved(self, model: str | None) -> ModelRefusal | None:
+        """The entrance's ``model_not_found`` refusal when no replica lists ``model`` now
+        (an adapter unloaded, a reload that removed it): no seat of its pool can ever
+        come, so its waiters get what a new request for it gets. ``None`` while some
+        replica lists it, even one ejected or drained (an ejected replica keeps its
+        models: that is ``no_healthy_replica``, and waiting for its return)."""
+        if model is None or self.models is None:
+            return None
+        choice = self.models.select(model, allowed=None)
+        return choice if isinstance(choice, ModelRefusal) else None
 
     def free(self, model: str | None, *, headroom: bool = False) -> Replica | None:
         """The least-loaded replica of the pool with a free (or headroom) seat."""

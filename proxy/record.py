@@ -89,6 +89,8 @@ class RequestRecord:
         self.status = error.status
         self.outcome = error.outcome
         self.reason = error.reason
+        if error.reason == "model_not_found":  # also a queued one whose model went away
+            self.model_served = False
         layer = getattr(error, "layer", None)
         self.timeout_layer = layer if isinstance(layer, str) else None
 

@@ -4,7 +4,9 @@ A retry kept its tenant place during its backoff; only its replica seat was
 given back. While another replica of its pool is dispatchable, it waits for a
 seat there (up to ``RESEAT_PREFERENCE_S``) rather than go straight back to the
 replica that just failed it. The dispatcher owns the one ``Reseats`` and
-serves it first in every ``pump``.
+serves it first in every ``pump``. A retry of a model no replica lists any
+more gets the entrance's 404 ``model_not_found`` at once (``refuse_unserved``)
+rather than wait out its total budget for a seat that cannot come.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Reseats:
         ``pump`` hands out free seats (this one's turn included); ``release``
         gives back a seat granted while the waiter was being cancelled.
         """
+        gone = self._seats.unserved(model)
+        if gone is not None:
+            raise gone.error()
         loop = asyncio.get_running_loop()
         strict = self._seats.other_dispatchable(model, exclude)
         waiter = Reseat(loop.create_future(), exclude, strict, model)
@@ -100,6 +105,16 @@ class Reseats:
             for waiter in self._waiting
             if not waiter.future.done()
         )
+
+    def refuse_unserved(self) -> None:
+        """Answer each waiting retry whose model no replica lists any more (its 404)."""
+        for waiter in list(self._waiting):
+            gone = self._seats.unserved(waiter.model)
+            if gone is None:
+                continue
+            self._waiting.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_exception(gone.error())
 
     def serve(self) -> None:
         """Lease each waiting retry a free seat of its pool, where one fits its preference."""

@@ -162,6 +162,7 @@ class Runtime:
         scheduler.set_tenant_weights({n: t.weight for n, t in rules.config.tenants.items()})
         self.quotas.configure(rules.rate_limits())
         configure_models(self.models, rules.config)
+        self.dispatcher.refuse_unserved()  # a model the reload left no replica listing
         self.dispatcher.seats.affinity.max_load_factor = rules.config.routing.max_load_factor
         self.health.set_config(rules.config)
         self.telemetry.labels.reconfigure(
