@@ -14,7 +14,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -114,18 +114,31 @@ TENANTS = {
 }
 
 
-async def two_pools(
-    aiohttp_server: ServerFactory, start_proxy: Start
-) -> tuple[ProxyUnderTest, ModelReplica, ModelReplica]:
-    """r0 serves llama (alias mini), r1 serves qwen, both listed statically."""
-    url0, llama = await start_replica(aiohttp_server, ["llama"])
-    url1, qwen = await start_replica(aiohttp_server, ["qwen"])
+R = TypeVar("R")
+
+
+async def pooled_pair(
+    aiohttp_server: ServerFactory,
+    start_proxy: Start,
+    start: Callable[[ServerFactory, list[str]], Awaitable[tuple[str, R]]],
+) -> tuple[ProxyUnderTest, R, R]:
+    """r0 serves llama (alias mini), r1 serves qwen, both listed statically, each
+    replica made by ``start``; tenant b may use only qwen."""
+    url0, llama = await start(aiohttp_server, ["llama"])
+    url1, qwen = await start(aiohttp_server, ["qwen"])
     config = pooled_config(
         [url0, url1], [["llama"], ["qwen"]], tenants=TENANTS, model_aliases={"mini": "llama"}
     )
     proxy = await start_proxy(config)
     await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
     return proxy, llama, qwen
+
+
+async def two_pools(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> tuple[ProxyUnderTest, ModelReplica, ModelReplica]:
+    """``pooled_pair`` of replicas that answer completions (``start_replica``)."""
+    return await pooled_pair(aiohttp_server, start_proxy, start_replica)
 
 
 async def test_model_refusals_carry_the_error_and_take_no_seat(
@@ -978,15 +991,8 @@ async def start_route_replica(
 async def route_pools(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> tuple[ProxyUnderTest, RouteReplica, RouteReplica]:
-    """r0 serves llama (alias mini), r1 serves qwen; tenant b may use only qwen."""
-    url0, llama = await start_route_replica(aiohttp_server, ["llama"])
-    url1, qwen = await start_route_replica(aiohttp_server, ["qwen"])
-    config = pooled_config(
-        [url0, url1], [["llama"], ["qwen"]], tenants=TENANTS, model_aliases={"mini": "llama"}
-    )
-    proxy = await start_proxy(config)
-    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
-    return proxy, llama, qwen
+    """``pooled_pair`` of replicas that answer every forwarded route."""
+    return await pooled_pair(aiohttp_server, start_proxy, start_route_replica)
 
 
 async def test_every_forwarded_route_is_routed_and_checked_by_model(
