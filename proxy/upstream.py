@@ -342,12 +342,12 @@ class AnswerReader:
             except BaseException as exc:
                 # As ``Expiry``: only the cancellation this reader asked for
                 # becomes a timeout; one from elsewhere (the client left) stays.
-                if (
-                    self._expired
-                    and task.uncancel() <= cancelling
-                    and isinstance(exc, asyncio.CancelledError)
-                ):
-                    raise TimeoutError from exc
+                # It is taken back once, here: ``ran_out`` must not take back the
+                # client's too when both came in the same loop iteration.
+                if self._expired and isinstance(exc, asyncio.CancelledError):
+                    self._expired = False
+                    if task.uncancel() <= cancelling:
+                        raise TimeoutError from exc
                 raise
             finally:
                 self._reading = False

@@ -15,9 +15,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
+from proxy.admitted import Deadline
+from proxy.clock import MonotonicClock
+from proxy.upstream import AnswerReader
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, make_config, sse_tokens
+from tests.helpers import KEY_A, make_config, sse_tokens, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -78,3 +82,48 @@ async def test_total_deadline_mid_stream_ends_it_with_total_timeout(
     assert 0 < len(sse_tokens(events)) < 400
     assert events[-1]["error"]["code"] == "total_timeout"
     proxy.assert_idle()
+
+
+async def test_a_client_leaving_as_a_read_times_out_stays_a_cancellation(
+    upstream_url: str,
+) -> None:
+    """The reader's timer fires while it waits on a silent replica, and the client's
+    disconnect cancels the handler in the same loop iteration: the relay's pattern
+    (``ran_out`` after a ``CancelledError``) must let the client's cancellation go on,
+    not take it back as the reader's own and carry on as a timeout."""
+    clock = MonotonicClock()
+    body = {"stream": True, "max_tokens": 3, "pause_after": 0, "pause_ms": 30_000}
+    readers: list[AnswerReader] = []
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(upstream_url + CHAT, json=body) as resp,
+    ):
+
+        async def relay_like() -> str:
+            now = clock.now()
+            deadline = Deadline(arrival=now, total_at=now + 100, queue_s=1, first_byte_s=1)
+            reader = AnswerReader(resp, deadline, clock, idle_s=50)  # this task's reader
+            readers.append(reader)
+            try:
+                while await reader.read():
+                    pass
+            except asyncio.CancelledError:
+                if not reader.ran_out():
+                    raise
+                return "taken as the reader's timeout"
+            finally:
+                reader.close()
+            return "ended"
+
+        task = asyncio.create_task(relay_like())
+        # Waiting in read() on the replica's silence (it pauses before its first token).
+        await wait_for(lambda: bool(readers) and readers[0]._reading and not resp.content._buffer)
+        reader = readers[0]
+        handle = reader._handle
+        assert handle is not None
+        handle.cancel()
+        reader._armed = reader._until  # this read's timer is due now
+        reader._fire()
+        task.cancel()  # the client left in the same iteration
+        with pytest.raises(asyncio.CancelledError):
+            await task
