@@ -38,7 +38,7 @@ from tests.test_model_pools import (
 #: Queue budgets far longer than any wait below: an answer within ``wait_for``'s
 #: bound came from the pool's loss, not from an expiry.
 LONG = {"queue_ms": 60_000, "first_byte_ms": 60_000, "total_ms": 120_000}
-BUDGETS = BudgetsConfig(queue_ms=60_000, first_byte_ms=60_000, total_ms=120_000)
+BUDGETS = BudgetsConfig(**LONG)
 
 
 async def test_queued_requests_of_an_unloaded_adapter_get_404_at_once(
