@@ -167,8 +167,10 @@ async def test_a_level_that_starts_busy_is_noted(start_proxy: Start, fast_sim: S
                           rng=random.Random(1), headers=headers)  # fmt: skip
         held = asyncio.create_task(send_one(session, proxy.url, spec, index=0, zero=0.0))
         try:
+            # Arrived at the sim (which keeps the faults it arrived under), not only
+            # seated by the proxy: lifting the fault before then would lift its hang.
             async with asyncio.timeout(10):
-                while proxy.runtime.dispatcher.total_inflight() < 1:
+                while fast_sim.state.in_flight < 1:
                     await asyncio.sleep(0.01)
             await fast_sim.set_faults(hang_before_first_byte_ms=0)
             result = await run_staircase(quick_plan(proxy.url, levels=(1,), api_key=KEY_A))

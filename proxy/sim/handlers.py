@@ -130,12 +130,14 @@ async def _generate(
     request: web.Request, dialect: Dialect, state: SimState, engine: SimEngine
 ) -> web.StreamResponse:
     received_at = time.monotonic()
+    # The faults in force when the request arrived (counted in ``in_flight``), not
+    # when its body has been read: a change made meanwhile applies to later ones.
+    faults = state.faults
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     gen = dialect.parse(body, state.config.default_max_tokens)
-    faults = state.faults
     if state.dice.roll_error(faults):
         return _injected_error(faults)
     hang_ms = faults.hang_before_first_byte_ms
