@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import csv
 import hashlib
+import itertools
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,6 +25,7 @@ from proxy.loadtest.knee import decide
 from proxy.loadtest.phases import PhasesPlan, run_phases
 from proxy.loadtest.phases_report import PHASES_FILES, write_phases_report
 from proxy.loadtest.report import NO_PLOTS, STAIRCASE_FILES, write_staircase_report
+from proxy.loadtest.results import percentile
 from proxy.loadtest.staircase import StaircasePlan, StaircaseResult, run_staircase
 from proxy.loadtest.timeline import is_good
 from proxy.loadtest.workload import workload_from_mapping
@@ -317,7 +319,18 @@ async def test_phases_through_the_proxy(
     assert total.sent == len(result.arrivals) > 100
     assert sum(total.outcomes.values()) == total.sent
     assert result.overloaded == result.unfinished == 0
-    assert total.send_lag_p99_ms is not None and total.send_lag_p99_ms < 250
+    # The send lag is each arrival's start against its own due time (never early, beyond the
+    # event loop's clock resolution). How small it stays is a timing claim: on a shared
+    # 2-core machine the generator, proxy and replicas share this one loop, so the figure
+    # belongs in the benchmarks, and here only its meaning is checked.
+    lags = [r.started_at - r.due_at for r in result.results if r.due_at is not None]
+    assert len(lags) == total.sent and min(lags) > -0.001
+    assert total.send_lag_p99_ms == pytest.approx(1000.0 * (percentile(lags, 99) or 0.0))
+    # Open loop: during the burst, arrivals were sent while earlier ones were unanswered.
+    burst_sent = sorted(
+        (r for r in result.results if r.phase == "burst"), key=lambda r: r.started_at
+    )
+    assert any(b.started_at < a.ended_at for a, b in itertools.pairwise(burst_sent))
 
     # Goodput, recounted here from the raw results by the SLO definition.
     slos = {name: workload.slo_for(name) for name in workload.tenants}

@@ -102,13 +102,17 @@ async def test_all_replicas_down_answers_at_once(start_proxy: Start, sims: list[
     proxy = await start_proxy(make_config([s.url for s in sims]))
     for replica in proxy.runtime.pool.replicas:
         proxy.runtime.health._eject(replica)
+    submitted = [s.engine.stats().submitted for s in sims]
     started = time.monotonic()
     resp = await proxy.client.post(CHAT, json=body(), headers=AUTH)
     elapsed = time.monotonic() - started
     assert resp.status == 503
     assert resp.headers["X-Admission-Reason"] == "no_healthy_replica"
     assert 1 <= int(resp.headers["Retry-After"]) <= 60
-    assert elapsed < 0.5
+    # Answered without waiting out any layer: waiting for a replica would have taken the
+    # queue budget (2 s), and trying one the first-byte budget (10 s).
+    assert elapsed < proxy.runtime.rules.config.budgets.queue_ms / 1000.0
+    assert [s.engine.stats().submitted for s in sims] == submitted
     assert (await proxy.client.get("/readyz")).status == 503
 
 
