@@ -42,6 +42,7 @@ from proxy.errors import (
     EntranceTimeout,
     InternalError,
     MethodNotAllowed,
+    NoHealthyReplica,
     PriorityNotAllowed,
     ProxyError,
     RateLimited,
@@ -385,6 +386,16 @@ def _choose_pool(
     table = runtime.models
     if doc is None or not table.pooled:
         return None, None, body
+    if not table.served_models():
+        # No replica has listed a model yet (they are starting, or their
+        # ``/v1/models`` fails: logged as ``model discovery failed``). Every
+        # pool is unknown, not absent: a 404 for a model that will be served a
+        # probe later, or a 400 for a body without one, would send the client
+        # away for good, so it is the 503 of a fleet that is not serving yet.
+        raise NoHealthyReplica(
+            "no replica has listed its models yet",
+            retry_after_s=runtime.health.earliest_return_s(),
+        )
     asked = doc.get("model")
     choice = table.select(asked, allowed=allowed)
     if isinstance(choice, ModelRefusal):

@@ -31,7 +31,8 @@ Rules the contract left open, decided here:
   ``bad_request``; a name no replica serves (after aliasing) is 404
   ``model_not_found``; a served model the tenant may not use is 403
   ``model_not_allowed``. Without ``model``, the only pool when exactly one
-  exists, else 400 ``bad_request``.
+  exists, else 400 ``bad_request``. (Before any replica has listed a model
+  the entrance answers 503 ``no_healthy_replica`` instead of asking here.)
 """
 
 from __future__ import annotations

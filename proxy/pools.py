@@ -48,6 +48,10 @@ class PoolQueues:
                 queue.set_blocked(tenant, True)
         return queue
 
+    def _kept(self, model: str | None) -> Scheduler | None:
+        """The queue of ``model``'s pool, if it exists (None after ``drop``)."""
+        return self.default if model is None else self._by_model.get(model)
+
     def waiting_models(self) -> list[str | None]:
         """Pools with a ticket queued now."""
         models: list[str | None] = [m for m, q in self._by_model.items() if len(q)]
@@ -60,7 +64,7 @@ class PoolQueues:
         return {model: len(queue) for model, queue in self._by_model.items()}
 
     def depth_of_model(self, model: str | None) -> int:
-        queue = self.default if model is None else self._by_model.get(model)
+        queue = self._kept(model)
         return len(queue) if queue is not None else 0
 
     def pop_from(self, model: str | None) -> Ticket | None:
@@ -89,7 +93,8 @@ class PoolQueues:
         self.of(ticket.model).push(ticket)
 
     def remove(self, ticket: Ticket) -> bool:
-        return self.of(ticket.model).remove(ticket)
+        queue = self._kept(ticket.model)
+        return queue is not None and queue.remove(ticket)
 
     def pop(self) -> Ticket | None:
         """The next ticket of any pool (shutdown answers every queued one)."""
@@ -109,7 +114,12 @@ class PoolQueues:
             queue.set_blocked(tenant, blocked)
 
     def finished(self, ticket: Ticket, actual_cost: float) -> None:
-        self.of(ticket.model).finished(ticket, actual_cost)
+        # A ticket that ran while its pool was dropped: the pool's fair-share
+        # account went with it, and making the pool again would only leave an
+        # empty queue (and its metric series) behind.
+        queue = self._kept(ticket.model)
+        if queue is not None:
+            queue.finished(ticket, actual_cost)
 
     def depth(self, tenant: str) -> int:
         return self.default.depth(tenant) + sum(q.depth(tenant) for q in self._by_model.values())

@@ -377,6 +377,54 @@ async def test_discovery_sends_the_replicas_api_key(
     proxy.assert_idle()
 
 
+async def test_a_pool_not_yet_listed_is_503_not_404(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Routed by model (tenant a limited to llama) with the one replica's models still
+    unknown: its /v1/models fails (an engine still loading). A request naming llama
+    and one naming no model get 503 no_healthy_replica with Retry-After (not 404
+    model_not_found or 400, which would send the client away for a model served a
+    probe later), and take no seat; once the replica lists llama, it is served."""
+    listing = asyncio.Event()
+
+    @web.middleware
+    async def loading(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/v1/models" and not listing.is_set():
+            return web.json_response({"error": "loading"}, status=503)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app = web.Application(middlewares=[loading])
+    app[REPLICA] = state = ModelReplica(["llama"])
+    app.router.add_get("/v1/models", _list)
+    app.router.add_get("/health", _health)
+    app.router.add_post(COMPLETIONS, _complete)
+    server = await aiohttp_server(app)
+    config = pooled_config(
+        [str(server.make_url("")).rstrip("/")],
+        [None],
+        tenants={"a": {"api_keys": [KEY_A], "allowed_models": ["llama"]}},
+        health={"interval_ms": 50},
+    )
+    proxy = await start_proxy(config)
+    assert proxy.runtime.models.pooled and not proxy.runtime.models.served_models()
+    for body in ({"model": "llama", "prompt": "x"}, {"prompt": "x"}):
+        resp = await proxy.client.post(COMPLETIONS, json=body, headers=AUTH_A)
+        assert resp.status == 503, await resp.text()
+        assert resp.headers["X-Admission-Reason"] == "no_healthy_replica"
+        assert 1 <= int(resp.headers["Retry-After"]) <= 60
+        assert (await resp.json())["error"]["code"] == "no_healthy_replica"
+    assert state.bodies == []
+    proxy.assert_idle()
+    listing.set()
+    await wait_for(lambda: proxy.runtime.models.served_models() == {"llama"})
+    resp = await proxy.client.post(
+        COMPLETIONS, json={"model": "llama", "prompt": "x"}, headers=AUTH_A
+    )
+    assert resp.status == 200 and state.named() == ["llama"]
+    proxy.assert_idle()
+
+
 async def test_discovery_moves_a_model_between_pools_without_a_reload(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:

@@ -21,6 +21,7 @@ from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.errors import ModelNotFound
 from proxy.models import ModelTable
+from proxy.pools import PoolQueues
 from proxy.reload import apply_config
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, ReplicaState
 from proxy.scheduler import FairScheduler, Ticket
@@ -251,6 +252,10 @@ async def test_dispatcher_answers_a_vanished_pools_tickets_at_once() -> None:
     dispatcher.finish(capped, capped.seat)
     assert dispatcher.pool.total_inflight() == 0 and dispatcher.total_inflight() == 0
     assert len(dispatcher.scheduler) == 0
+    # The lora request that ran through the loss ended without making its pool again
+    # (no empty queue, no metric series for a model nobody serves).
+    assert isinstance(dispatcher.scheduler, PoolQueues)
+    assert set(dispatcher.scheduler.depth_by_model()) == {"a"}
 
 
 async def test_dispatcher_keeps_the_queue_of_an_ejected_pool() -> None:
