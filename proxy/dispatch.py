@@ -685,9 +685,9 @@ class Dispatcher:
 
     # -- refusals after the wait -------------------------------------------------------
 
-    def _flow(self, tenant: str) -> Flow:
+    def _flow(self, tenant: str, model: str | None) -> Flow:
         cap = self.limits_for(tenant).max_concurrency
-        return Flow(cap, self._at_cap(tenant), len(self._reseating))
+        return Flow(cap, self._at_cap(tenant), self._reseating.ahead_in(model))
 
     def _expiry(self, ticket: Ticket, now: float) -> ProxyError:
         tenant, priority, model = ticket.tenant, ticket.priority, ticket.model

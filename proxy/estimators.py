@@ -243,6 +243,14 @@ class RecentDispatches(_DecayedTotals):
         """Tenants with about one dispatch or more in the last ``RECENT_TAU_S``. O(tenants)."""
         return [t for t, c in self._tenants.items() if c.read(now, self._tau_s) >= ACTIVE_COUNT]
 
+    def add_counts(self, now: float, into: dict[str, float]) -> None:
+        """Add each tenant's decayed count to ``into`` (several replicas' records summed:
+        a model pool's). A count over ``RECENT_TAU_S`` is a rate; ``ACTIVE_COUNT`` or
+        more is a tenant active in the last seconds. O(tenants)."""
+        tau = self._tau_s
+        for tenant, counter in self._tenants.items():
+            into[tenant] = into.get(tenant, 0.0) + counter.read(now, tau)
+
 
 class OutputTokens:
     """Each tenant's moving average of output tokens (the cost of a request with no limit).

@@ -106,6 +106,20 @@ class Reseats:
             if not waiter.future.done()
         )
 
+    def ahead_in(self, model: str | None) -> int:
+        """Retries waiting now that may take a seat of ``model``'s pool before its queue:
+        those of a pool sharing one of its replicas (``None`` on either side: every
+        replica). A retry of a pool on other replicas never takes one of its seats."""
+        members = self._seats.members(model)
+        ahead = 0
+        for waiter in self._waiting:
+            if waiter.future.done():
+                continue
+            theirs = self._seats.members(waiter.model)
+            if members is None or theirs is None or not members.isdisjoint(theirs):
+                ahead += 1
+        return ahead
+
     def refuse_unserved(self) -> None:
         """Answer each waiting retry whose model no replica lists any more (its 404)."""
         for waiter in list(self._waiting):

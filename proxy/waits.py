@@ -19,7 +19,13 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from proxy.estimators import BackloggedTurnover, RecentDispatches, SeatTime
+from proxy.estimators import (
+    ACTIVE_COUNT,
+    RECENT_TAU_S,
+    BackloggedTurnover,
+    RecentDispatches,
+    SeatTime,
+)
 
 if TYPE_CHECKING:
     from proxy.replicas import Replica, ReplicaPool
@@ -37,7 +43,8 @@ class Flow(NamedTuple):
 
     cap: int | None
     at_cap: bool
-    #: Retries waiting for a seat: each takes one ahead of every queued ticket.
+    #: Retries waiting for a seat of the pool asked about: each takes one ahead of
+    #: every queued ticket.
     reseating: int
 
 
@@ -50,14 +57,14 @@ class Waits:
 
     __slots__ = (
         "_flow", "_members", "_pool", "_pool_of", "_pool_seat_times", "_queue_of", "_recent",
-        "_running", "_scheduler", "_turnover", "seat_time",
+        "_recent_on", "_running", "_scheduler", "_turnover", "seat_time",
     )  # fmt: skip
 
     def __init__(
         self,
         pool: ReplicaPool,
         scheduler: Scheduler,
-        flow: Callable[[str], Flow],
+        flow: Callable[[str, str | None], Flow],
         *,
         queue_of: Callable[[str | None], Scheduler] | None = None,
         members: Callable[[str | None], frozenset[str] | None] | None = None,
@@ -75,6 +82,9 @@ class Waits:
         #: The model pool of each running request that has one.
         self._pool_of: dict[int, str] = {}
         self._recent = RecentDispatches()
+        #: The same per replica: a model pool counts only what others took of its own
+        #: replicas' seats (a flood of another pool on other replicas takes none).
+        self._recent_on: dict[str, RecentDispatches] = {}
         #: Each flow's measured drain while backlogged, keyed (model, tenant, priority).
         self._turnover = BackloggedTurnover()
         #: When each running request got its seat, and where (for the release times).
@@ -101,6 +111,10 @@ class Waits:
         if model is not None:
             self._pool_of[ticket_id] = model
         self._recent.record(tenant, now)
+        on = self._recent_on.get(replica.name)
+        if on is None:
+            on = self._recent_on[replica.name] = RecentDispatches()
+        on.record(tenant, now)
         backlogged = from_queue and self._queue_of(model).depth_by_class(tenant, priority) > 0
         self._turnover.dispatched((model, tenant, priority), now, still_backlogged=backlogged)
 
@@ -125,7 +139,31 @@ class Waits:
 
     def forget_idle(self, now: float) -> None:
         self._recent.forget_idle(now)
+        for name, recent in list(self._recent_on.items()):
+            recent.forget_idle(now)
+            if not recent:  # nothing left (a replica a reload removed, too)
+                del self._recent_on[name]
         self._turnover.forget_idle(now)
+
+    def _recent_others(self, tenant: str, now: float, model: str | None) -> tuple[float, list[str]]:
+        """Dispatches per second by tenants other than ``tenant`` on the pool's replicas
+        in the last seconds, and the tenants active there (``tenant`` included).
+
+        The implicit pool (``members`` None) reads the fleet's record. A model pool
+        sums its replicas' records: another pool's flood on other replicas takes none
+        of its seats (counted fleet-wide, it halved a quiet pool's predicted rate),
+        while a pool sharing its replicas (LoRA adapters of one base) does take them.
+        """
+        members = self._members(model)
+        if members is None:
+            return self._recent.others_per_second(tenant, now), self._recent.active(now)
+        counts: dict[str, float] = {}
+        for name in members:
+            recent = self._recent_on.get(name)
+            if recent is not None:
+                recent.add_counts(now, counts)
+        others = sum(count for t, count in counts.items() if t != tenant) / RECENT_TAU_S
+        return others, [t for t, count in counts.items() if count >= ACTIVE_COUNT]
 
     def _seats(self, model: str | None) -> int:
         members = self._members(model)
@@ -213,14 +251,12 @@ class Waits:
             return None
         scheduler = self._queue_of(model)
         share = scheduler.share_of(tenant, priority)
-        others = self._recent.others_per_second(tenant, now)
+        others, active = self._recent_others(tenant, now, model)
         idle_take = max(0.0, others - (1.0 - share) * capacity)
-        returning = sum(
-            1 for t in self._recent.active(now) if t != tenant and not scheduler.depth(t)
-        )
+        returning = sum(1 for t in active if t != tenant and not scheduler.depth(t))
         floor = capacity / (1.0 / share + returning)
         flow = max(min(share * capacity, capacity - idle_take), floor)
-        cap = self._flow(tenant).cap
+        cap = self._flow(tenant, model).cap
         mean = self.seat_time_of(model).mean_s
         if cap and mean:
             flow = min(flow, cap / mean)
@@ -250,7 +286,7 @@ class Waits:
         flow, whole = rates
         queue = self._queue_of(model)
         own = queue.depth_by_class(tenant, priority) + 1
-        state = self._flow(tenant)
+        state = self._flow(tenant, model)
         if state.at_cap:
             return own / flow
         capacity = self.capacity(model)

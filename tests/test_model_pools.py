@@ -634,21 +634,48 @@ async def test_a_retry_waiting_in_one_pool_does_not_hold_back_another() -> None:
     assert dispatcher.pool.total_inflight() == 0 and len(dispatcher.scheduler) == 0
 
 
-async def test_predicted_waits_are_the_pools() -> None:
-    """Fake clock, seat time 1 s: with pool a's seat held and six a tickets
-    queued, a new a ticket expects about seven releases; a new b ticket, behind
-    only b's one busy seat, about one, whatever a's backlog."""
-    clock = FakeClock()
-    dispatcher = two_pool_dispatcher(clock)
+def warm_pools(dispatcher: Dispatcher, clock: FakeClock) -> Deadline:
+    """Twenty 1 s requests in each of pools a and b (a pool predicts from its
+    twentieth seat time on); the deadline of a request arriving now."""
     budgets = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
-    for _ in range(20):  # each pool's own seat times: 20 before it predicts
+    for _ in range(20):
         for model in ("a", "b"):
             ticket = dispatcher.enqueue_in(
                 model, "t", "standard", 1.0, Deadline.start(clock.now(), budgets)
             )
             clock.advance(1.0)
             dispatcher.finish(ticket, ticket.seat)
-    deadline = Deadline.start(clock.now(), budgets)
+    return Deadline.start(clock.now(), budgets)
+
+
+async def test_a_retry_waiting_in_another_pool_is_not_ahead_in_the_prediction() -> None:
+    """Fake clock, seat time 1 s, each pool's one seat held: a retry of pool a waits
+    for r0. A new a ticket expects two releases (the retry takes the first); a new b
+    ticket one, as without the retry, since the retry can never take r1's seat."""
+    clock = FakeClock()
+    dispatcher = two_pool_dispatcher(clock)
+    deadline = warm_pools(dispatcher, clock)
+    held = [dispatcher.enqueue_in(m, "t", "standard", 1.0, deadline) for m in ("a", "b")]
+    assert all(t.seat is not None for t in held)
+    now = clock.now()
+    assert dispatcher.predict_wait("t", "standard", now, "b") == pytest.approx(1.0)
+    retry = asyncio.create_task(dispatcher.reseat(frozenset({ReplicaName("r0")}), 30.0, "a"))
+    await wait_for(lambda: len(dispatcher._reseating) == 1)
+    assert dispatcher.predict_wait("t", "standard", now, "a") == pytest.approx(2.0)
+    assert dispatcher.predict_wait("t", "standard", now, "b") == pytest.approx(1.0)
+    dispatcher.finish(held[0], held[0].seat)
+    dispatcher.release(await retry)
+    dispatcher.finish(held[1], held[1].seat)
+    assert dispatcher.pool.total_inflight() == 0
+
+
+async def test_predicted_waits_are_the_pools() -> None:
+    """Fake clock, seat time 1 s: with pool a's seat held and six a tickets
+    queued, a new a ticket expects about seven releases; a new b ticket, behind
+    only b's one busy seat, about one, whatever a's backlog."""
+    clock = FakeClock()
+    dispatcher = two_pool_dispatcher(clock)
+    deadline = warm_pools(dispatcher, clock)
     held = [dispatcher.enqueue_in("b", "t", "standard", 1.0, deadline)]
     held += [dispatcher.enqueue_in("a", "t", "standard", 1.0, deadline) for _ in range(7)]
     assert len(dispatcher.scheduler) == 6
@@ -663,6 +690,64 @@ async def test_predicted_waits_are_the_pools() -> None:
     for ticket in held:
         if ticket.seat is not None:
             dispatcher.finish(ticket, ticket.seat)
+
+
+def _predicted_in_b_after(flood_a: bool, *, shared: bool = False) -> float:
+    """Tenant t's predicted wait in pool b (seat held, two t tickets queued, seat
+    time 1 s) after five seconds in which tenant u kept pool a's one seat busy, or
+    did nothing. ``shared``: a and b are served by the same replica (a LoRA adapter
+    and its base)."""
+    clock = FakeClock()
+    replicas = [
+        Replica(ReplicaConfig(name=n, url="http://127.0.0.1:1", max_concurrency=1))
+        for n in ("r0", "r1")
+    ]
+    limit = TenantLimits(max_concurrency=None, queue_capacity=64)
+    dispatcher = Dispatcher(
+        ReplicaPool(replicas), FairScheduler({"standard": 1.0}), clock, {"t": limit, "u": limit}
+    )
+    lists: dict[str, tuple[str, ...]] = (
+        {"r0": ("a", "b"), "r1": ()} if shared else {"r0": ("a",), "r1": ("b",)}
+    )
+    dispatcher.seats.models = ModelTable(lists, {})
+    budgets = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
+    for _ in range(20):
+        for model in ("a", "b"):
+            ticket = dispatcher.enqueue_in(
+                model, "t", "standard", 1.0, Deadline.start(clock.now(), budgets)
+            )
+            clock.advance(1.0)
+            dispatcher.finish(ticket, ticket.seat)
+    for _ in range(5):
+        ticket = None
+        if flood_a:
+            ticket = dispatcher.enqueue_in(
+                "a", "u", "standard", 1.0, Deadline.start(clock.now(), budgets)
+            )
+        clock.advance(1.0)
+        if ticket is not None:
+            dispatcher.finish(ticket, ticket.seat)
+    deadline = Deadline.start(clock.now(), budgets)
+    held = [dispatcher.enqueue_in("b", "t", "standard", 1.0, deadline) for _ in range(3)]
+    assert held[0].seat is not None and len(dispatcher.scheduler) == 2
+    wait = dispatcher.predict_wait("t", "standard", clock.now(), "b")
+    assert wait is not None
+    dispatcher.close()
+    dispatcher.finish(held[0], held[0].seat)
+    return wait
+
+
+async def test_another_pools_flood_does_not_lengthen_a_pools_predicted_wait() -> None:
+    """Fake clock: tenant u kept pool a's replica busy for the last five seconds.
+    Tenant t's predicted wait in pool b, on another replica, is what it is without
+    u (three releases of b's one seat: 3 s); counted fleet-wide, u's dispatches
+    were taken for a tenant returning to b and halved t's rate (5 s). When a and b
+    share the replica, u's work does take b's seat, and the wait grows."""
+    alone = _predicted_in_b_after(flood_a=False)
+    assert alone == pytest.approx(3.0)
+    assert _predicted_in_b_after(flood_a=True) == pytest.approx(alone)
+    shared_alone = _predicted_in_b_after(flood_a=False, shared=True)
+    assert _predicted_in_b_after(flood_a=True, shared=True) > shared_alone
 
 
 async def test_each_pools_waits_use_its_own_seat_time() -> None:
