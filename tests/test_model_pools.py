@@ -719,14 +719,14 @@ def _predicted_in_b_after(flood_a: bool, *, shared: bool = False) -> float:
             clock.advance(1.0)
             dispatcher.finish(ticket, ticket.seat)
     for _ in range(5):
-        ticket = None
+        flood = None
         if flood_a:
-            ticket = dispatcher.enqueue_in(
+            flood = dispatcher.enqueue_in(
                 "a", "u", "standard", 1.0, Deadline.start(clock.now(), budgets)
             )
         clock.advance(1.0)
-        if ticket is not None:
-            dispatcher.finish(ticket, ticket.seat)
+        if flood is not None:
+            dispatcher.finish(flood, flood.seat)
     deadline = Deadline.start(clock.now(), budgets)
     held = [dispatcher.enqueue_in("b", "t", "standard", 1.0, deadline) for _ in range(3)]
     assert held[0].seat is not None and len(dispatcher.scheduler) == 2
