@@ -272,11 +272,13 @@ class ModelTable:
     def update(self, replica: str, models: frozenset[str] | None) -> bool:
         """A replica's discovered models; ``True`` when its membership changed.
 
-        Ignored (``False``) for a replica with static ``models`` and for ``None``
-        (an unparsable answer keeps the last known set). An unknown replica is
-        added: the caller decides which replicas exist.
+        Ignored (``False``) for a replica with static ``models``, for ``None``
+        (an unparsable answer keeps the last known set), and for a replica the
+        config does not list: a reload's removed replica is still probed while
+        its last requests drain, and its answer must not put back the pool the
+        reload took away (nothing would ever take it out again).
         """
-        if models is None or replica in self._static:
+        if models is None or replica in self._static or replica not in self._served:
             return False
         changed = self._served.get(replica) != models
         self._served[replica] = models

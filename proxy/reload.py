@@ -191,6 +191,11 @@ def apply_config(
     for replica_config in config.replicas:
         api_key = os.environ.get(replica_config.api_key_env) if replica_config.api_key_env else None
         existing = pool.get(replica_config.name)
+        if existing is not None and existing.retired and existing.url == replica_config.url:
+            # Put back (a reload, a rollback) while its last requests still drain:
+            # the same engine, so the same replica, whose seats count what it runs
+            # now. A new one next to it would count 0 and exceed max_concurrency.
+            existing.retired = existing.draining = False
         if existing is not None and not existing.retired:
             existing.reconfigure(replica_config, api_key)
             if not same_files(existing.tls, tls[replica_config.name]):

@@ -358,8 +358,10 @@ class ReplicaPool:
     def free(self, replica: Replica) -> None:
         """One of ``replica``'s seats is back (the dispatcher's ``release``)."""
         replica.inflight -= 1
-        if replica.retired and replica.inflight == 0:
-            self._by_name.pop(replica.name, None)
+        # Only if the name is still this replica's: a reload may have put a new
+        # replica of the same name in its place while this one drained.
+        if replica.retired and replica.inflight == 0 and self._by_name.get(replica.name) is replica:
+            del self._by_name[replica.name]
 
     def offers_headroom(self) -> bool:
         return any(r.headroom for r in self._by_name.values())
