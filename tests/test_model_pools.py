@@ -710,14 +710,8 @@ def _predicted_in_b_after(flood_a: bool, *, shared: bool = False) -> float:
         {"r0": ("a", "b"), "r1": ()} if shared else {"r0": ("a",), "r1": ("b",)}
     )
     dispatcher.seats.models = ModelTable(lists, {})
+    warm_pools(dispatcher, clock)
     budgets = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
-    for _ in range(20):
-        for model in ("a", "b"):
-            ticket = dispatcher.enqueue_in(
-                model, "t", "standard", 1.0, Deadline.start(clock.now(), budgets)
-            )
-            clock.advance(1.0)
-            dispatcher.finish(ticket, ticket.seat)
     for _ in range(5):
         flood = None
         if flood_a:
