@@ -92,6 +92,9 @@ class Admitted:
     model: str | None = None
     #: The replicas that serve ``model``; ``None``: any replica (one implicit pool).
     pool: frozenset[str] | None = None
+    #: Not routed by model: the body's ``model`` value as sent (``None``: absent;
+    #: ``...``: the body was not read for one). See ``Ticket.asked``.
+    asked: object = ...
     #: ``GET /v1/models`` answered by the proxy from the model table.
     listing: bool = False
     #: ``routing.policy: prefix_affinity``: the key that picks the replica (a hash only).

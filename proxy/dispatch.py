@@ -36,8 +36,15 @@ from proxy import admission
 from proxy.admission import TenantLimits
 from proxy.admitted import Deadline
 from proxy.clock import Clock
-from proxy.errors import PredictedWaitExceedsBudget, ProxyError, QueueTimeout, ShuttingDown
+from proxy.errors import (
+    PredictedWaitExceedsBudget,
+    ProxyError,
+    QueueTimeout,
+    Rejected,
+    ShuttingDown,
+)
 from proxy.estimators import RecentUsage
+from proxy.models import ModelRefusal
 from proxy.observe import Overflow, overflow_replica, would
 from proxy.places import Blocked, PlaceKind, SharedPlaces
 from proxy.pools import PoolQueues, PoolSeats
@@ -180,9 +187,11 @@ class Dispatcher:
 
     # -- the queueing stage ------------------------------------------------------------
 
-    def enqueue(self, tenant: str, priority: str, cost: float, deadline: Deadline) -> Ticket:
+    def enqueue(
+        self, tenant: str, priority: str, cost: float, deadline: Deadline, *, asked: object = ...
+    ) -> Ticket:
         """``enqueue_in`` the one implicit pool (a deployment not routed by model)."""
-        return self.enqueue_in(None, tenant, priority, cost, deadline)
+        return self.enqueue_in(None, tenant, priority, cost, deadline, asked=asked)
 
     def enqueue_in(
         self,
@@ -193,6 +202,7 @@ class Dispatcher:
         deadline: Deadline,
         *,
         affinity: int | None = None,
+        asked: object = ...,
     ) -> Ticket:
         """Grant a seat at once, place a ticket in its tenant's queue, or refuse.
 
@@ -200,7 +210,7 @@ class Dispatcher:
         cap, the ticket is granted here without touching the scheduler (the
         common, unloaded case); ``wait`` then returns without suspending.
         ``model``: the pool whose replicas it may use (``None``: every replica);
-        ``affinity``: its ``prefix_affinity`` key.
+        ``affinity``: its ``prefix_affinity`` key; ``asked``: see ``Ticket.asked``.
         """
         if self._closed is not None:
             raise admission.shutting_down()
@@ -212,7 +222,9 @@ class Dispatcher:
             replica = self._headroom_for(tenant, priority, now, model)
             headroom = replica is not None
         if replica is not None:
-            ticket = Ticket(tenant, priority, cost, now, expires_at, model=model, affinity=affinity)
+            ticket = Ticket(
+                tenant, priority, cost, now, expires_at, model=model, affinity=affinity, asked=asked
+            )
             seat = self.pool.lease(replica)
             seat.headroom = headroom
             self._grant(ticket, seat, now)
@@ -244,7 +256,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         ticket = Ticket(
             tenant, priority, cost, now, expires_at, future=loop.create_future(), model=model,
-            affinity=affinity,
+            affinity=affinity, asked=asked,
         )  # fmt: skip
         self.scheduler.push(ticket)
         self.waits.queued(tenant, priority, model)
@@ -508,6 +520,41 @@ class Dispatcher:
         self.refuse_unserved()
         self.pump()
 
+    def pool_now(self, ticket: Ticket) -> str | None:
+        """The pool a ticket's next seat (a retry's) comes from: its own, or, for one
+        admitted before the proxy routed by model, the pool its body's model names now
+        (raises the entrance's refusal when none serves it)."""
+        if ticket.model is not None or ticket.asked is ...:
+            return ticket.model
+        table = self.seats.models
+        if table is None or not table.pooled:
+            return None
+        choice = table.select(ticket.asked, allowed=None)
+        if isinstance(choice, ModelRefusal):
+            raise choice.error()
+        return choice.model
+
+    def _route_unrouted(self) -> None:
+        """The proxy has just started routing by model (discovery found a second model,
+        a reload listed models): each ticket queued before, in the one implicit pool
+        (every replica), moves to the pool its body's model names now, or gets the
+        entrance's refusal (404 ``model_not_found``, 400 for no model with several
+        pools). Left in the implicit pool, a request for one model was granted the
+        seat of a replica serving another. A ticket whose body was not read for a
+        model (a route other than inference) keeps any replica, as admitted."""
+        table = self.seats.models
+        if table is None or not table.pooled or not len(self.scheduler.default):
+            return
+        for ticket in self.scheduler.take_implicit():
+            if ticket.future is None or ticket.future.done():
+                continue  # its waiter left; ``_abandon`` finds it gone
+            try:
+                ticket.model = self.pool_now(ticket)
+            except Rejected as refusal:
+                self._fail(ticket, refusal)
+                continue
+            self.scheduler.push(ticket)
+
     def refuse_unserved(self) -> None:
         """404 ``model_not_found`` now for the queued tickets and waiting retries of a
         model that no replica lists any more (discovery lost it, a reload removed it).
@@ -516,7 +563,10 @@ class Dispatcher:
         ever come, so its waiters get the same answer at once instead of waiting out
         their budgets. A pool whose replicas still list the model but are ejected or
         drained keeps its queue: they keep their models and may return.
+        Tickets queued before the proxy routed by model are placed first
+        (``_route_unrouted``).
         """
+        self._route_unrouted()
         for model in self.scheduler.waiting_models():
             gone = self.seats.unserved(model)
             if gone is not None and model is not None:

@@ -345,6 +345,7 @@ async def _admit(
         path_qs=path + "?" + query if (query := request.rel_url.raw_query_string) else path,
         model=model,
         pool=pool,
+        asked=routed.get("model") if model is None and isinstance(routed, dict) else ...,
         listing=listing,
         affinity=affinity,
         degraded=record.degraded,

@@ -154,10 +154,10 @@ class Exchange:
         dispatcher = runtime.dispatcher
         flow = (admitted.tenant, admitted.priority, admitted.cost, admitted.deadline)
         if admitted.model is None and admitted.affinity is None:
-            ticket = self.ticket = dispatcher.enqueue(*flow)
+            ticket = self.ticket = dispatcher.enqueue(*flow, asked=admitted.asked)
         else:
             ticket = self.ticket = dispatcher.enqueue_in(
-                admitted.model, *flow, affinity=admitted.affinity
+                admitted.model, *flow, affinity=admitted.affinity, asked=admitted.asked
             )
         self.record.enqueued_at = ticket.enqueued_at
         if ticket.observed is not None and self.record.observed is None:
@@ -261,7 +261,7 @@ class Exchange:
                 self.seat = await runtime.dispatcher.reseat(
                     frozenset({replica.name}),
                     deadline.remaining(runtime.clock.now()),
-                    self.admitted.model,
+                    runtime.dispatcher.pool_now(self.ticket),
                 )
             except TimeoutError as exc:
                 raise TotalTimeout("no seat for a retry within the total budget") from exc

@@ -84,6 +84,20 @@ class PoolQueues:
             tickets.append(ticket)
         return tickets
 
+    def take_implicit(self) -> list[Ticket]:
+        """Take every ticket out of the implicit pool (``model is None``), in its order,
+        to be placed again (the proxy started routing by model). Tenants blocked at
+        their cap are let out for this and blocked again."""
+        queue = self.default
+        for tenant in self._blocked:
+            queue.set_blocked(tenant, False)
+        tickets: list[Ticket] = []
+        while (ticket := queue.pop()) is not None:
+            tickets.append(ticket)
+        for tenant in self._blocked:
+            queue.set_blocked(tenant, True)
+        return tickets
+
     def share_in(self, model: str | None, tenant: str, priority: str) -> float:
         return self.of(model).share_of(tenant, priority)
 

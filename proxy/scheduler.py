@@ -65,6 +65,11 @@ class Ticket:
     seat: Seat | None = None
     #: The model pool it waits in (``None``: the one implicit pool, every replica).
     model: str | None = None
+    #: Admitted while the proxy did not route by model: its body's ``model`` value
+    #: (``None``: the body named none; ``...``: the body was not read for one). If a
+    #: second model appears while it waits, it moves to that model's pool
+    #: (``Dispatcher.refuse_unserved``) instead of taking any replica's seat.
+    asked: object = ...
     #: ``prefix_affinity``: the hash that picks its replica (``affinity.py``).
     affinity: int | None = None
     #: ``mode: observe``: the refusal enforcing would have given it (``would_<reason>``).

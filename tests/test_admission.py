@@ -337,9 +337,9 @@ async def test_cost_without_max_tokens_is_the_tenants_recent_mean_output(
     charged: list[tuple[str, float]] = []
     enqueue = dispatcher.enqueue
 
-    def spy(tenant: str, priority: str, cost: float, deadline: Any) -> Any:
+    def spy(tenant: str, priority: str, cost: float, deadline: Any, **named: Any) -> Any:
         charged.append((tenant, cost))
-        return enqueue(tenant, priority, cost, deadline)
+        return enqueue(tenant, priority, cost, deadline, **named)
 
     dispatcher.enqueue = spy  # type: ignore[method-assign]
     for _ in range(3):
