@@ -43,6 +43,7 @@ from proxy.telemetry.metrics import PressureCollector, StateCollector, StateSnap
 from proxy.telemetry.state_metrics import SharedStateCollector
 from proxy.token_quota import limits_of
 from proxy.ui import add_ui_routes
+from proxy.worker_admin import WORKER_ADMIN, set_draining
 
 log = structlog.get_logger(__name__)
 ReservedHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -181,20 +182,22 @@ async def admin(request: web.Request) -> web.StreamResponse:
             )
         result = await reloader.reload("admin")
         if result.ok:
+            await _pass_on(request, "reload")
             return web.json_response({"result": "ok"})
         errors = [{"path": i.path, "message": i.message} for i in result.issues]
         return web.json_response({"result": "invalid", "errors": errors}, status=422)
     if request.method == "POST" and action == "rollback":
-        return await rollback(request.app[RELOADER])
+        answer, running = await rollback(request.app[RELOADER])
+        if running is not None:
+            await _pass_on(request, "rollback", sha256=running)
+        return answer
     parts = action.split("/")
     if request.method == "POST" and len(parts) == 3 and parts[0] == "replicas":
-        replica = runtime.pool.get(parts[1])
-        if replica is None:
+        draining = parts[2] == "drain"
+        if not set_draining(runtime, parts[1], draining):
             raise NotFound("no such replica")
-        replica.draining = parts[2] == "drain"
-        if not replica.draining:
-            runtime.dispatcher.pump()
-        return web.json_response({"replica": replica.name, "draining": replica.draining})
+        await _pass_on(request, parts[2], replica=parts[1])
+        return web.json_response({"replica": parts[1], "draining": draining})
     raise NotFound("no such admin path")
 
 
@@ -207,16 +210,24 @@ def history_comment(history: ConfigHistory) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def rollback(reloader: Reloader | None) -> web.Response:
-    """``POST /admin/rollback``: the previous good config runs again, and which it is."""
+async def _pass_on(request: web.Request, op: str, **fields: str) -> None:
+    """``serve --workers N``: the other workers make the same change."""
+    group = request.app.get(WORKER_ADMIN)
+    if group is not None:
+        await group.publish(op, **fields)
+
+
+async def rollback(reloader: Reloader | None) -> tuple[web.Response, str | None]:
+    """``POST /admin/rollback``: the previous good config runs again, and which it is
+    (with the SHA-256 now running, None when nothing was rolled back)."""
     if reloader is None:
         raise NoPreviousConfig("started without a config file: there is no config history")
     try:
         running, replaced = await reloader.rollback()
     except ConfigError as exc:  # a TLS file of the old config changed or vanished since
         errors = [{"path": i.path, "message": i.message} for i in exc.issues]
-        return web.json_response({"result": "invalid", "errors": errors}, status=422)
-    return web.json_response(
+        return web.json_response({"result": "invalid", "errors": errors}, status=422), None
+    answer = web.json_response(
         {
             "result": "ok",
             "running": running.describe(),
@@ -224,6 +235,7 @@ async def rollback(reloader: Reloader | None) -> web.Response:
             "history": reloader.history.describe(),
         }
     )
+    return answer, running.sha256
 
 
 def reserved_path(handler: ReservedHandler, methods: tuple[str, ...] | None) -> ReservedHandler:

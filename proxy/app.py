@@ -46,6 +46,7 @@ from proxy.telemetry.tracing import Tracing, provider_from_env
 from proxy.tls import tls_by_replica
 from proxy.token_quota import TokenQuotas
 from proxy.upstream import make_session
+from proxy.worker_admin import WORKER_ADMIN, WorkerAdmin
 
 SessionFactory = Callable[[Config], aiohttp.ClientSession]
 
@@ -174,8 +175,13 @@ def build_app(
     predictive_rejection: bool = True,
     quota_clock: Clock | None = None,
     quota_store: TokenQuotaStore | None = None,
+    worker_group: str | None = None,
 ) -> web.Application:
     """The proxy as an aiohttp application (not yet started).
+
+    ``worker_group``: one of ``serve --workers N`` (with ``state.backend:
+    redis``): admin changes pass on to the group's other workers
+    (``worker_admin.py``).
 
     ``config_path``: the file the config came from; enables reload (SIGHUP,
     ``POST /admin/reload``) and the watcher that reloads on a content change.
@@ -205,6 +211,10 @@ def build_app(
     app.on_response_prepare.append(_server_header)
     app[RUNTIME] = runtime
     reloader = app[RELOADER] = Reloader(runtime, config_path) if config_path else None
+    group = None
+    if worker_group is not None and runtime.state is not None:
+        group = WorkerAdmin(runtime.state, worker_group, runtime, reloader)
+    app[WORKER_ADMIN] = group
     factory = session_factory or _default_session
 
     async def upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -251,10 +261,13 @@ def build_app(
         if state is None:
             yield
             return
-        tasks = [asyncio.create_task(loop()) for loop in state.background()]
+        loops = state.background() + ([group.listener.run] if group is not None else [])
+        tasks = [asyncio.create_task(loop()) for loop in loops]
         yield
         for task in reversed(tasks):
             await stop(task)
+        if group is not None:
+            await group.close()
         await state.close()
 
     app.cleanup_ctx.append(shared_state)

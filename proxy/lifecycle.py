@@ -31,6 +31,7 @@ from proxy.listener import ProxyRunner
 from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME
 from proxy.settings import Config
+from proxy.workers import WORKER_GROUP_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +76,8 @@ async def serve(
     reuse_port: bool = False,
 ) -> int:
     """Serve until SIGTERM; ``reuse_port``: one of ``serve --workers N`` (``workers.py``)."""
-    app = build_app(config, config_path=config_path)
+    group = os.environ.get(WORKER_GROUP_ENV) if reuse_port else None
+    app = build_app(config, config_path=config_path, worker_group=group)
     runtime = app[RUNTIME]
     # The listener answers parser errors itself and bounds connections (listener.py).
     runner = ProxyRunner(

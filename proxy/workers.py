@@ -19,6 +19,7 @@ orchestrator to see); its seats free within ``state.lease_ms`` meanwhile.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ RESTART_DELAY_S = 1.0
 #: ...at most this many times within the window, then the parent gives up.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+#: Set for the workers: their group's name (``worker_admin.py``).
+WORKER_GROUP_ENV = "ADMISSION_PROXY_WORKER_GROUP"
 #: The signals the parent passes on to every worker.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -70,10 +73,13 @@ def resolve_port(host: str, port: int) -> int:
 class Supervisor:
     """The worker processes and the signals passed on to them."""
 
-    __slots__ = ("_argv", "_restarts", "_workers", "stopping")
+    __slots__ = ("_argv", "_env", "_restarts", "_workers", "stopping")
 
     def __init__(self, argv: Sequence[str], count: int) -> None:
         self._argv = list(argv)
+        # One group per parent: the workers pass admin changes on to each other
+        # (``worker_admin.py``), and to no other gateway on the same Redis.
+        self._env = {**os.environ, WORKER_GROUP_ENV: f"{os.getpid()}-{secrets.token_hex(4)}"}
         self._workers: list[subprocess.Popen[bytes] | None] = [None] * count
         self._restarts: list[float] = []
         self.stopping = False
@@ -83,7 +89,7 @@ class Supervisor:
         return f"<Supervisor {alive}/{len(self._workers)} workers alive>"
 
     def _spawn(self, index: int) -> None:
-        process = subprocess.Popen(self._argv)
+        process = subprocess.Popen(self._argv, env=self._env)
         self._workers[index] = process
         log.info("worker started", worker=index, pid=process.pid)
 

@@ -62,6 +62,10 @@ class StateKeys:
         """ZSET instance id -> heartbeat expiry (ms): the live gateway processes."""
         return f"{self.prefix}{FLEET}:instances"
 
+    def admin_channel(self, group: str) -> str:
+        """Pub/sub channel of one ``serve --workers`` group's admin changes."""
+        return f"{self.prefix}admin:{group}"
+
     def freed_channel(self, pool: str) -> str:
         """Pub/sub channel told when a lease of ``pool`` is released (a replica pool, a tenant)."""
         return f"{self.prefix}freed:{pool}"

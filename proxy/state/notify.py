@@ -37,6 +37,7 @@ class FreedListener:
         "_channels",
         "_connect_timeout_s",
         "_on_freed",
+        "_on_message",
         "_patterns",
         "_url",
         "subscribed",
@@ -51,13 +52,16 @@ class FreedListener:
         *,
         connect_timeout_s: float,
         patterns: Sequence[str] = (),
+        on_message: Callable[[str, str], None] | None = None,
     ) -> None:
         """``patterns``: glob subscriptions too (``admission:freed:*``); a message on one
-        reports its real channel, a resubscription reports the pattern itself."""
+        reports its real channel, a resubscription reports the pattern itself.
+        ``on_message``: also told each message's channel and data (``worker_admin.py``)."""
         self._url = url
         self._channels = list(channels)
         self._patterns = list(patterns)
         self._on_freed = on_freed
+        self._on_message = on_message
         self._connect_timeout_s = connect_timeout_s
         #: Set while subscribed: a publish from now on is heard.
         self.subscribed = asyncio.Event()
@@ -100,6 +104,8 @@ class FreedListener:
                 async for message in pubsub.listen():
                     if message.get("type") in ("message", "pmessage"):
                         self._on_freed(str(message["channel"]))
+                        if self._on_message is not None:
+                            self._on_message(str(message["channel"]), str(message["data"]))
         finally:
             self.subscribed.clear()
             await redis.aclose()
