@@ -99,10 +99,16 @@ class Reloader:
         self.history = ConfigHistory(self._started.config_history)
         self.history.applied(self._started, self._digest or "")
 
-    async def reload(self, trigger: str) -> ReloadResult:
-        """Read, validate and apply the config file; one reload at a time."""
+    async def reload(self, trigger: str, *, if_changed: bool = False) -> ReloadResult:
+        """Read, validate and apply the config file; one reload at a time.
+
+        ``if_changed``: only when the file is not what was last read (a reload passed
+        on by another worker, whose watcher may have read the same change already).
+        """
         async with self._lock:
             digest = await asyncio.to_thread(_digest, self._path)
+            if if_changed and digest == self._digest:
+                return ReloadResult(True, changed=False)
             try:
                 config = await asyncio.to_thread(load_config, self._path)
                 tls = await asyncio.to_thread(tls_by_replica, config.replicas)

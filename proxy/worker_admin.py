@@ -105,7 +105,7 @@ class WorkerAdmin:
         if reloader is None:
             return
         if op == "reload":
-            result = await reloader.reload("admin (another worker)")
+            result = await reloader.reload("admin (another worker)", if_changed=True)
             log.info("admin change from another worker", op=op, ok=result.ok)
             return
         previous = reloader.history.previous

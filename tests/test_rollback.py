@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from proxy.config_history import ConfigHistory
+from proxy.reload import RELOADER
 from proxy.settings import load_config
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, SteadyLoad, make_config, samples_by_label, wait_for
@@ -153,3 +154,31 @@ async def test_rollback_steps_back_one_config_at_a_time(
     )
     assert r0.limit == 4
     assert (await proxy.client.post("/admin/rollback")).status == 409
+
+
+async def test_a_reload_passed_on_by_another_worker_reads_only_a_changed_file(
+    start_proxy: Start, upstream_url: str, tmp_path: Path
+) -> None:
+    """``serve --workers N`` passes an admin reload on to the other workers, whose file
+    watchers may have read the same change already: ``reload(if_changed=True)`` then
+    leaves the history alone (a second entry of the same config would make the next
+    rollback a no-op there, and the workers' histories differ); a file that did change
+    since is read as by any reload."""
+    path = tmp_path / "proxy.yaml"
+    _write(path, _document(upstream_url, seats=4))
+    proxy = await start_proxy(load_config(path), config_path=str(path))
+    reloader = proxy.client.app[RELOADER]
+    assert reloader is not None
+    two = _write(path, _document(upstream_url, seats=2))
+    assert (await reloader.reload("file_change")).ok
+    assert reloader.history.describe()[0]["sha256"] == two
+    entries = len(reloader.history.describe())
+    result = await reloader.reload("admin (another worker)", if_changed=True)
+    assert result.ok and not result.changed
+    assert len(reloader.history.describe()) == entries
+    three = _write(path, _document(upstream_url, seats=3))
+    result = await reloader.reload("admin (another worker)", if_changed=True)
+    assert result.ok and result.changed
+    assert reloader.history.describe()[0]["sha256"] == three
+    r0 = proxy.runtime.pool.get("r0")
+    assert r0 is not None and r0.limit == 3
