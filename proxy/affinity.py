@@ -56,10 +56,19 @@ def affinity_key(
 ) -> AffinityKey | None:
     """The request's affinity key, or ``None`` when it has neither header nor prompt.
 
-    ``header`` is matched case-insensitively. The prompt is, for chat, each
-    message's role and text (system and developer messages first, text parts
-    of multi-part content in order); for completions the ``prompt`` (the first
-    of a list; token ids as their decimal text); for TGI ``inputs``.
+    ``header`` is matched case-insensitively. The prompt is, for chat, the
+    conversation's head: the system and developer messages, then every
+    message up to and including the first user message (role and text, text
+    parts of multi-part content in order); for completions the ``prompt``
+    (the first of a list; token ids as their decimal text); for TGI ``inputs``.
+
+    Why the head and not the whole conversation: each turn of a chat repeats
+    the turns before it and adds to them, so a key over everything up to
+    ``prefix_chars`` changed every turn of any conversation shorter than that
+    (a short system prompt: most chats), and each turn went to an unrelated
+    replica, where its prefix was cold. The head is the same in every turn of
+    a session. A completion prompt has no such structure: a client that sends
+    a growing prompt keeps its turns together with the affinity header.
     """
     value = _header_value(headers, header)
     if value:
@@ -107,6 +116,8 @@ def _prompt_pieces(body: Mapping[str, Any]) -> Iterator[str]:
             yield str(message.get("role", "")) + _SEPARATOR
             yield from _content_texts(message.get("content"))
             yield _SEPARATOR
+            if message.get("role") == "user":
+                return  # the head ends here: later turns must not change the key
         return
     prompt = body.get("prompt", body.get("inputs"))
     if isinstance(prompt, list) and prompt:

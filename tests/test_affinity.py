@@ -103,6 +103,33 @@ def test_system_messages_come_first_and_parts_count() -> None:
     assert _key(as_user) != _key(ordered)
 
 
+def test_a_chat_sessions_turns_share_the_key_of_its_head() -> None:
+    """Each turn of a chat repeats the turns before it: the key is the conversation's
+    head (system messages and the first user message), so a short session's second
+    and third turns have its first turn's key and reach the same replica; twenty
+    sessions keep their own keys, spread over the ring. (A key over the whole
+    prompt moved 14 of 20 second turns on a ring of four.)"""
+    ring = HashRing([f"gpu-{i}" for i in range(4)])
+    idle = dict.fromkeys(ring.names, 0.0)
+    homes = set()
+    for session in range(20):
+        turn1 = _chat("You are a helpful assistant.", f"Question number {session}?")["messages"]
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "Why?"},
+        ]
+        turn3 = [
+            *turn2,
+            {"role": "assistant", "content": "Because."},
+            {"role": "user", "content": "Ok"},
+        ]
+        keys = [_key({"messages": turn}) for turn in (turn1, turn2, turn3)]
+        assert keys[0] is not None and keys[0] == keys[1] == keys[2]
+        homes.add(ring.choose(AffinityKey(keys[0]), idle))
+    assert len(homes) > 1
+
+
 def test_header_overrides_prompt() -> None:
     """The affinity header, in any letter case, is the key whatever the prompt; an empty
     value is ignored."""

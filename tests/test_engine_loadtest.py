@@ -37,6 +37,9 @@ def four_slots(
 #: latency alone: past the slots a request waits a whole service (p99 3.6 to
 #: 4x at 5), within them batching costs 1.7 to 2.3x at 4 on this CPU.
 SLO_OVER_ALONE = 2.8
+#: One request alone timed before and after the staircase: further apart than this
+#: ratio, the machine's load changed under the run and its knee is no measurement.
+QUIET_RATIO = 1.5
 
 
 async def latency_alone(url: str, count: int = 8) -> float:
@@ -86,23 +89,31 @@ async def test_staircase_recommends_about_the_engines_slot_count(
         cool_down_s=1.0,  # not the real-engine default of 30 s: the test's time is bounded
     )
     result = await run_staircase(plan)
+    after_ms = await latency_alone(four_slots.url)
     verdict = result.verdict
     table = [
         (level.concurrency, round(level.requests_per_s, 1), round(level.latency_p99_ms or 0))
         for level in result.levels
     ]
-    context = (round(alone_ms), verdict.explanation, table)
+    context = (round(alone_ms), round(after_ms), verdict.explanation, table)
     errors = [(level.concurrency, level.errors) for level in result.levels if level.error_count]
     assert not errors, (errors, context)
-    assert verdict.throughput_knee is not None and 3 <= verdict.throughput_knee <= 5, context
     assert verdict.recommended_max_concurrency is not None, context
-    assert verdict.recommended_max_concurrency >= 3, context
     assert verdict.decided_by == "p99_slo", context
-    by_level = {level.concurrency: level for level in result.levels}
-    if 8 in by_level:  # past the slots the engine queues: no more throughput
-        assert by_level[8].requests_per_s < 1.3 * by_level[4].requests_per_s, context
     for level in result.levels:  # the engine's own process, found by its port in /proc
         assert level.cpu_source == "proc" and level.engine_cpu is not None, level
         assert level.engine_cpu > 0 and (level.engine_rss_bytes or 0) > 100 << 20, level
     paths = write_staircase_report(result, tmp_path / "out")
     assert all(path.stat().st_size > 0 for path in paths)
+
+    # The knee is a measurement of this CPU, valid only if the machine's other work
+    # stayed the same through the run: one request alone, timed before and after,
+    # must agree. (Seen otherwise only with other suites running beside this one:
+    # alone 1,863 ms before, level 1 at 451 ms, a stall at level 4.)
+    if max(alone_ms, after_ms) > QUIET_RATIO * min(alone_ms, after_ms):
+        pytest.skip(f"the machine's load changed during the staircase: {context}")
+    assert verdict.throughput_knee is not None and 3 <= verdict.throughput_knee <= 5, context
+    assert verdict.recommended_max_concurrency >= 3, context
+    by_level = {level.concurrency: level for level in result.levels}
+    if 8 in by_level:  # past the slots the engine queues: no more throughput
+        assert by_level[8].requests_per_s < 1.3 * by_level[4].requests_per_s, context
