@@ -34,7 +34,7 @@ from proxy.loadtest.results import RequestResult, RequestSpec
 from proxy.loadtest.schedule import Arrival, PhaseWindow, build_arrivals, phase_windows
 from proxy.loadtest.scrape import MetricsSample, MetricsSampler, ScrapeTarget
 from proxy.loadtest.staircase import FALLBACK_MODEL, LAG_WARNING_MS, discover_model
-from proxy.loadtest.target import ConfigFingerprint, identify, resolve_pool
+from proxy.loadtest.target import ConfigFingerprint, identify, pool_of
 from proxy.loadtest.timeline import GOOD, PhasesSummary, classify, summarise_phases
 from proxy.loadtest.workload import PhaseFault, Workload
 
@@ -208,12 +208,11 @@ async def run_phases(plan: PhasesPlan, progress: Progress | None = None) -> Phas
             notes.append(f"{plan.base_url}/v1/models named no model: sent {model!r}")
         info = await identify(session, plan.base_url, plan.admin_headers())
         notes.extend(info.notes)
-        pool = None
-        if plan.model or workload.model:
-            pool, note = await resolve_pool(
-                session, plan.base_url, info, plan.admin_headers(), model, plan.scrape_url
-            )
-            notes.extend([note] if note else [])
+        pool, note = await pool_of(
+            session, plan.base_url, info, plan.admin_headers(), model,
+            plan.scrape_url, named=bool(plan.model or workload.model),
+        )  # fmt: skip
+        notes.extend([note] if note else [])
         specs = _spec_factory(workload, arrivals, model)
         zero = time.perf_counter()
         cpu_before = time.process_time()

@@ -45,8 +45,8 @@ from proxy.loadtest.target import (
     TargetInfo,
     identify,
     is_loopback,
+    pool_of,
     read_busy,
-    resolve_pool,
 )
 from proxy.telemetry.gpu import GpuProbe
 
@@ -245,12 +245,11 @@ async def run_staircase(plan: StaircasePlan, progress: Progress | None = None) -
         info = await identify(session, plan.base_url, plan.admin_headers())
         notes.extend(info.notes)
         cool_down = _cool_down(plan, info, notes)
-        pool = None
-        if plan.model:
-            pool, note = await resolve_pool(
-                session, plan.base_url, info, plan.admin_headers(), plan.model, plan.scrape_url
-            )
-            notes.extend([note] if note else [])
+        pool, note = await pool_of(
+            session, plan.base_url, info, plan.admin_headers(), model,
+            plan.scrape_url, named=bool(plan.model),
+        )  # fmt: skip
+        notes.extend([note] if note else [])
         sampler = MetricsSampler(plan.scrape_url, zero, plan.metrics_interval_s, pool)
         resources = ResourceSampler(
             info,

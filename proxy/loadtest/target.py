@@ -307,6 +307,30 @@ async def resolve_pool(
     )
 
 
+async def pool_of(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    info: TargetInfo,
+    admin_headers: Mapping[str, str],
+    model: str,
+    metrics_url: str | None,
+    *,
+    named: bool,
+) -> tuple[str | None, str | None]:
+    """The pool a run's model is measured by, and a note; ``None``: the whole fleet.
+
+    The model a run sends is its pool whether the operator named it (``named``)
+    or it was discovered (the first of ``/v1/models``): otherwise another pool's
+    traffic marks the run's levels busy. A discovered model that is no pool (a
+    proxy not routing by model) is measured fleet-wide without a note; a named
+    one says so.
+    """
+    pool, note = await resolve_pool(session, base_url, info, admin_headers, model, metrics_url)
+    if note is not None and not named:
+        return None, None
+    return pool, note
+
+
 def pool_labels(text: str) -> list[str]:
     """The pools a proxy's ``/metrics`` names (``admission_model_queue_depth``), sorted."""
     return sorted(
