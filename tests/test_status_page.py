@@ -213,3 +213,42 @@ async def test_page_shows_token_quota_use(
     await until(driver, lambda d: cell(d, 'tr[data-tenant="a"] td.quota') == expected)
     assert cell(driver, 'tr[data-tenant="b"] td.quota') == "no quota"
     assert severe(driver) == []
+
+
+async def test_page_shows_each_model_pool_whole(
+    start_proxy: Start, sims: list[SimServer], driver: Driver
+) -> None:
+    """r0 serves llama and qwen, r1 only llama: the page has one section per pool
+    (llama: r0 and r1; qwen: r0), each titled with its queue, not one per replica's
+    list of models ("llama, qwen" was no pool and hid r0 from llama's section); r0's
+    Drain button in its first section keeps its id and drains it."""
+    replicas = [
+        {"name": "r0", "url": sims[0].url, "max_concurrency": 4, "models": ["llama", "qwen"]},
+        {"name": "r1", "url": sims[1].url, "max_concurrency": 4, "models": ["llama"]},
+    ]
+    proxy = await start_proxy(make_config([], health=HEALTH, replicas=replicas))
+    await asyncio.to_thread(driver.get, proxy.url + "/admin/ui")
+    await until(driver, lambda d: d.find_elements(By.CSS_SELECTOR, 'div[data-pool="qwen"] tr'))
+
+    def grouped(d: Driver) -> dict[str, list[str]]:
+        """Each section's pool and its replicas' rows (read whole: the page re-renders)."""
+        return {
+            str(section.get_attribute("data-pool")): sorted(
+                str(row.get_attribute("data-replica"))
+                for row in section.find_elements(By.CSS_SELECTOR, "tbody tr")
+            )
+            for section in d.find_elements(By.CSS_SELECTOR, "div.pool")
+        }
+
+    expected = {"llama": ["r0", "r1"], "qwen": ["r0"]}
+    await until(driver, lambda d: grouped(d) == expected)
+    await until(driver, lambda d: cell(d, 'div[data-pool="qwen"] h3') == "qwen · 0 queued")
+    await asyncio.to_thread(driver.find_element(By.ID, "act-r0").click)
+    r0 = proxy.runtime.pool.get("r0")
+    assert r0 is not None
+    await wait_for(lambda: r0.draining, timeout_s=10)
+    await until(
+        driver,
+        lambda d: cell(d, 'div[data-pool="qwen"] tr[data-replica="r0"] td.state') == "draining",
+    )
+    assert severe(driver) == []

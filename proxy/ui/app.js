@@ -250,21 +250,36 @@ async function act(name, action) {
   poll();
 }
 
-function renderReplicas(replicas) {
-  const pools = new Map();
-  for (const [name, r] of Object.entries(replicas)) {
-    const pool = r.pool || "all replicas";
-    if (!pools.has(pool)) pools.set(pool, []);
-    pools.get(pool).push([name, r]);
-  }
+// One section per model pool (a replica serving several models is in each of its
+// pools: a pool is shown whole, with its queue); "all replicas" while the proxy
+// does not route by model.
+function poolGroups(state) {
+  const replicas = state.replicas || {};
+  const pools = Object.entries(state.pools || {});
+  if (!pools.length) return [["all replicas", "all replicas", Object.entries(replicas)]];
+  const groups = pools.map(([model, pool]) => {
+    const members = (pool.replicas || []).filter((name) => name in replicas);
+    return [model, `${model} · ${pool.queued || 0} queued`, members.map((name) => [name, replicas[name]])];
+  });
+  const listed = new Set(pools.flatMap(([, pool]) => pool.replicas || []));
+  const rest = Object.entries(replicas).filter(([name]) => !listed.has(name));
+  if (rest.length) groups.push(["", "no models listed", rest]);
+  return groups;
+}
+
+function renderReplicas(state) {
   const focused = document.activeElement && document.activeElement.id;
-  const sections = [...pools].map(([pool, members]) => h("div", { class: "pool", "data-pool": pool },
-    h("h3", {}, pool),
+  const seen = new Set();
+  const sections = poolGroups(state).map(([pool, title, members]) => h("div", { class: "pool", "data-pool": pool },
+    h("h3", {}, title),
     h("table", {},
       h("thead", {}, h("tr", {}, ["Replica", "State", "In flight / limit", "Last minutes", "Engine", "GPU memory", "Probe", "Action"]
         .map((title) => h("th", { scope: "col" }, title)))),
       h("tbody", {}, members.map(([name, r]) => {
         const action = r.draining ? "undrain" : "drain";
+        // A replica shown in several pools: its first button keeps the plain id.
+        const id = seen.has(name) ? `act-${name}-in-${pool}` : `act-${name}`;
+        seen.add(name);
         return h("tr", { "data-replica": name },
           h("th", { scope: "row" }, name),
           h("td", { class: "state" }, badge(r.state, "state-" + r.state),
@@ -275,7 +290,7 @@ function renderReplicas(replicas) {
           h("td", { class: "engine" }, engineText(r.engine)),
           h("td", { class: "gpu" }, gpuText(r.gpu)),
           h("td", { class: "probe" }, r.probe_error ? `${r.consecutive_failures} failed: ${r.probe_error}` : "ok"),
-          h("td", {}, h("button", { type: "button", id: `act-${name}`, class: action, "aria-label": `${action} ${name}`,
+          h("td", {}, h("button", { type: "button", id, class: action, "aria-label": `${action} ${name}`,
             onclick: () => act(name, action) }, action === "drain" ? "Drain" : "Undrain")));
       })))));
   document.getElementById("pools").replaceChildren(...sections);
@@ -284,7 +299,7 @@ function renderReplicas(replicas) {
 
 function render(state) {
   renderTenants(state.tenants);
-  renderReplicas(state.replicas);
+  renderReplicas(state);
 }
 
 document.getElementById("login").addEventListener("submit", onLogin);
