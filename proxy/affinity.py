@@ -26,7 +26,8 @@ Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018):
 
 Only the hash is kept: ``affinity_key`` returns a 64-bit integer and nothing
 here stores prompt text or header values. No I/O; the caller owns the ring
-(one per pool, rebuilt when the pool's membership changes).
+(one for the fleet, which a pool walks over its own members: a replica's
+points depend on its name only, so that is the pool's own ring).
 """
 
 from __future__ import annotations

@@ -166,9 +166,14 @@ class PoolQueues:
 class AffinityRouter:
     """``routing.policy: prefix_affinity``: a ticket's key picks its replica in the pool.
 
-    One ``HashRing`` per pool membership (every replica of the pool, serving
-    or not, so an ejection moves only that replica's keys), built on first
-    use. Only replicas with a free seat are eligible, and the bound of
+    One ``HashRing`` over every replica of the fleet (serving or not, so an
+    ejection moves only that replica's keys), and a pool walks it passing over
+    the replicas not its own. A replica's points depend on its name only, so
+    the fleet's ring restricted to a pool's members *is* the pool's ring: the
+    same replica for every key, with one ring to build per fleet change rather
+    than one per pool membership (a fleet of many LoRA adapters, each on its
+    own replicas, went past a cache of rings and rebuilt one, milliseconds of
+    hashing, on every request). Only replicas with a free seat are eligible, and the bound of
     ``max_load_factor`` times the mean load over them spills a hot key to the
     next replica on the ring; ``None`` sends the caller to least-loaded. The
     load is the uncached prompt work in flight (``PrefillLedger``, fed by the
@@ -179,8 +184,9 @@ class AffinityRouter:
 
     __slots__ = ("_rings", "ledger", "max_load_factor")
 
-    #: Rings kept at most; memberships change rarely (discovery, reload).
-    MAX_RINGS = 64
+    #: Rings kept at most: the fleet changes rarely (a reload), and a request being
+    #: placed during one may still see the fleet before it.
+    MAX_RINGS = 4
 
     def __init__(self, max_load_factor: float = 1.25) -> None:
         self.max_load_factor = max_load_factor
@@ -197,10 +203,11 @@ class AffinityRouter:
         key: AffinityKey,
         cost: float = 1.0,
     ) -> Replica | None:
+        fleet = list(replicas)
         by_name: dict[str, Replica] = {
-            r.name: r for r in replicas if members is None or r.name in members
+            r.name: r for r in fleet if members is None or r.name in members
         }
-        names = frozenset(by_name)
+        names = frozenset(r.name for r in fleet)
         ring = self._rings.get(names)
         if ring is None:
             if len(self._rings) >= self.MAX_RINGS:
@@ -214,7 +221,7 @@ class AffinityRouter:
         chosen = ring.choose(
             key,
             load,
-            eligible=lambda name: by_name[name].has_free_seat,
+            eligible=lambda name: name in by_name and by_name[name].has_free_seat,
             max_load_factor=self.max_load_factor,
             work=lambda name: ledger.work(key, cost, name),
         )

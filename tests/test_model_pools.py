@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import math
 import random
@@ -25,11 +26,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from proxy import pools as pools_module
 from proxy.admitted import Deadline
 from proxy.affinity import AffinityKey, HashRing
 from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.models import ModelTable
+from proxy.pools import AffinityRouter
 from proxy.replicas import Replica, ReplicaName, ReplicaPool
 from proxy.runtime import Rules
 from proxy.scheduler import FairScheduler, Ticket
@@ -826,6 +829,35 @@ async def test_a_hot_key_spills_within_the_load_bound() -> None:
     assert max(loads) <= math.ceil(1.25 * 12 / 4)
     for ticket in tickets:
         dispatcher.finish(ticket, ticket.seat)
+
+
+def test_every_pool_walks_the_fleets_one_ring_as_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """70 pools (every 4 of 8 replicas: LoRA adapters each on its own replicas), twice
+    round: one ring is built for the fleet (a cache of 64 rings per membership was
+    rebuilt on every request past 64 pools), and each pool's choice for each key is
+    the one its own ring would make."""
+    built: list[frozenset[str]] = []
+
+    class Counted(HashRing):
+        def __init__(self, names: frozenset[str]) -> None:
+            built.append(frozenset(names))
+            super().__init__(names)
+
+    monkeypatch.setattr(pools_module, "HashRing", Counted)
+    replicas = [
+        Replica(ReplicaConfig(name=f"r{i}", url="http://127.0.0.1:1", max_concurrency=4))
+        for i in range(8)
+    ]
+    memberships = [frozenset(c) for c in itertools.combinations([r.name for r in replicas], 4)]
+    router = AffinityRouter()
+    keys = [AffinityKey(random.Random(seed).getrandbits(64)) for seed in range(5)]
+    for _ in range(2):
+        for members in memberships:
+            for key in keys:
+                chosen = router.choose(replicas, members, key)
+                own = HashRing(members).choose(key, dict.fromkeys(members, 0.0))
+                assert chosen is not None and chosen.name == own
+    assert built == [frozenset(r.name for r in replicas)]
 
 
 async def test_an_unusable_preferred_replica_falls_back() -> None:
