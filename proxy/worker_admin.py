@@ -5,17 +5,23 @@ admin request to any one of them: a drain (the status page's button), an
 undrain, ``POST /admin/reload`` or ``POST /admin/rollback`` changed that one
 worker, and the others kept sending the drained replica new requests. The
 workers already share a Redis (N > 1 needs ``state.backend: redis``), so the
-worker that takes the request applies it and publishes it on the group's
-channel (``StateKeys.admin_channel``); every other worker of the group hears
-it and applies it too. The group is one ``serve --workers`` parent's
-children (``workers.WORKER_GROUP_ENV``): separate pods on the
-same Redis are separate gateways, each drained through its own admin port.
+worker that takes the request applies it and tells the group's other
+workers (``StateKeys.admin_channel``). The group is one ``serve --workers``
+parent's children (``workers.WORKER_GROUP_ENV``): separate pods on the same
+Redis are separate gateways, each drained through its own admin port.
 
-A rollback names the config it makes current (its SHA-256); a worker whose
-previous config is another one (it missed a reload) does not roll back, and
-says so. Messages are best effort, as pub/sub is: one published while a
-worker was reconnecting is lost, and the answer's worker logs that it could
-not publish.
+- **Drains are state, not messages.** The group's drained replicas are a
+  Redis hash (``StateKeys.admin_drained``); a change is written there, then
+  announced on the channel, and each worker sets its replicas from the hash
+  whenever it hears an announcement *and* whenever it (re)subscribes. Pub/sub
+  drops what is sent while a worker is not subscribed (one starting, one
+  restarted after a crash, one reconnecting); read from the hash, a drain
+  reaches it all the same.
+- **Reload and rollback are messages**: each worker reads its own file, and
+  a rollback names the config it makes current (its SHA-256), so a worker
+  whose previous config is another one (it missed a reload) does not roll
+  back, and says so. One sent while a worker was not subscribed is lost; the
+  file watcher still brings every worker to the file's content.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Container, Coroutine
 from typing import Any
 
 import structlog
 from aiohttp import web
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from proxy.errors import NoPreviousConfig
@@ -37,6 +45,11 @@ from proxy.state.notify import FreedListener
 from proxy.state.shared import SharedState
 
 log = structlog.get_logger(__name__)
+
+#: The group's drained replicas outlive no group by long: a week after the last drain.
+DRAINED_TTL_MS = 7 * 24 * 3600 * 1000
+#: Bound on an admin change's Redis calls: rare, and not on any request's path.
+ADMIN_TIMEOUT_S = 2.0
 
 
 def set_draining(runtime: Runtime, name: str, draining: bool) -> bool:
@@ -53,7 +66,10 @@ def set_draining(runtime: Runtime, name: str, draining: bool) -> bool:
 class WorkerAdmin:
     """Publishes this worker's admin changes to its group, and applies the others'."""
 
-    __slots__ = ("_channel", "_reloader", "_runtime", "_state", "_tasks", "listener")
+    __slots__ = (
+        "_channel", "_drained", "_redis", "_reloader", "_runtime", "_state", "_syncing", "_tasks",
+        "listener",
+    )  # fmt: skip
 
     def __init__(
         self, state: SharedState, group: str, runtime: Runtime, reloader: Reloader | None
@@ -62,10 +78,23 @@ class WorkerAdmin:
         self._runtime = runtime
         self._reloader = reloader
         self._channel = state.keys.admin_channel(group)
+        self._drained = state.keys.admin_drained(group)
+        # Its own connections: the request path's have ``state.timeout_ms`` socket
+        # timeouts (50 ms by default), which a busy machine overran.
+        self._redis: Redis = Redis.from_url(
+            state.config.redis_url,
+            socket_timeout=ADMIN_TIMEOUT_S,
+            socket_connect_timeout=ADMIN_TIMEOUT_S,
+            decode_responses=True,
+        )
         self._tasks: set[asyncio.Task[None]] = set()
+        #: One sync at a time: one that read the hash earlier must not apply after a later one.
+        self._syncing = asyncio.Lock()
+        # ``on_freed`` is told at every (re)subscription and every message: each
+        # time, the drains are read again (what was missed while unsubscribed too).
         self.listener = FreedListener(
-            state.config.redis_url, [self._channel], lambda channel: None,
-            connect_timeout_s=max(0.05, state.config.timeout_ms / 1000), on_message=self._heard,
+            state.config.redis_url, [self._channel], lambda channel: self._spawn(self._sync()),
+            connect_timeout_s=ADMIN_TIMEOUT_S, on_message=self._heard,
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -74,14 +103,50 @@ class WorkerAdmin:
     async def publish(self, op: str, **fields: str) -> bool:
         """Tell the other workers of the group; False (and a warning) when Redis did not take it."""
         message = json.dumps({"op": op, "from": self._state.instance_id, **fields})
+        replica = fields.get("replica")
         try:
-            async with asyncio.timeout(self._state.config.timeout_ms / 1000):
-                await self._state.client.redis.publish(self._channel, message)
+            async with (
+                asyncio.timeout(ADMIN_TIMEOUT_S),
+                self._redis.pipeline(transaction=True) as pipe,
+            ):
+                if op == "drain" and replica is not None:
+                    pipe.hset(self._drained, replica, "1")
+                    pipe.pexpire(self._drained, DRAINED_TTL_MS)
+                elif op == "undrain" and replica is not None:
+                    pipe.hdel(self._drained, replica)
+                pipe.publish(self._channel, message)
+                await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("admin change not passed on to the other workers", op=op,
                         error=f"{type(exc).__name__}: {exc}")  # fmt: skip
             return False
         return True
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sync(self) -> None:
+        """Set this worker's replicas drained or not as the group's hash says.
+
+        A replica a reload retired stays drained whatever the hash says.
+        """
+        async with self._syncing:
+            try:
+                async with asyncio.timeout(ADMIN_TIMEOUT_S):
+                    drained = await self._redis.hgetall(self._drained)
+            except (RedisError, OSError, TimeoutError):
+                return  # read again at the next announcement or resubscription
+            self._apply_drains(drained)
+
+    def _apply_drains(self, drained: Container[bytes | str]) -> None:
+        for replica in self._runtime.pool.replicas:
+            wanted = replica.name in drained
+            if not replica.retired and replica.draining != wanted:
+                set_draining(self._runtime, replica.name, wanted)
+                log.info("admin change from the worker group", replica=replica.name,
+                         op="drain" if wanted else "undrain")  # fmt: skip
 
     def _heard(self, channel: str, data: str) -> None:
         try:
@@ -91,14 +156,8 @@ class WorkerAdmin:
         if not isinstance(message, dict) or message.get("from") == self._state.instance_id:
             return  # not ours to read, or this worker's own change
         op = message.get("op")
-        if op in ("drain", "undrain"):
-            replica = message.get("replica")
-            if isinstance(replica, str) and set_draining(self._runtime, replica, op == "drain"):
-                log.info("admin change from another worker", op=op, replica=replica)
-        elif op in ("reload", "rollback"):
-            task = asyncio.create_task(self._apply_config(op, message.get("sha256")))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        if op in ("reload", "rollback"):  # drains: ``_sync``, on every message
+            self._spawn(self._apply_config(op, message.get("sha256")))
 
     async def _apply_config(self, op: str, sha256: object) -> None:
         reloader = self._reloader
@@ -126,6 +185,7 @@ class WorkerAdmin:
         """Let the changes being applied finish (a reload takes a moment)."""
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._redis.aclose()
 
 
 #: The app's group link; None outside ``serve --workers N``.

@@ -11,6 +11,7 @@ the change by chance about once in 10^11.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -69,8 +70,9 @@ async def test_drain_undrain_and_rollback_reach_every_worker(
     tmp_path: Path, upstream_url: str, redis_server: RedisServer
 ) -> None:
     """Two workers: a drain through the admin API shows in every worker's
-    /admin/state, then the undrain; a reload (SIGHUP, every worker) adds tenant b,
-    and a rollback through the admin API takes it away in every worker."""
+    /admin/state, in a worker started again after a crash too, then the undrain;
+    a reload (SIGHUP, every worker) adds tenant b, and a rollback through the
+    admin API takes it away in every worker."""
     config: dict[str, Any] = {
         "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 4}],
         "tenants": {"a": {"api_keys": [KEY_A]}},
@@ -82,6 +84,11 @@ async def test_drain_undrain_and_rollback_reach_every_worker(
     try:
         assert len({line["pid"] for line in proxy.listening()}) == 2
         assert await post(proxy, "/admin/replicas/r0/drain") == {"replica": "r0", "draining": True}
+        await every_worker_shows(proxy, "/admin/state", draining)
+        # A worker started after the drain (one that died, started again) drains too:
+        # the group's drains are state it reads when it subscribes, not a message it missed.
+        os.kill(proxy.listening()[0]["pid"], signal.SIGKILL)
+        await proxy.wait_listening(3)
         await every_worker_shows(proxy, "/admin/state", draining)
         await post(proxy, "/admin/replicas/r0/undrain")
         await every_worker_shows(proxy, "/admin/state", lambda text: not draining(text))

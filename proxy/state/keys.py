@@ -66,6 +66,10 @@ class StateKeys:
         """Pub/sub channel of one ``serve --workers`` group's admin changes."""
         return f"{self.prefix}admin:{group}"
 
+    def admin_drained(self, group: str) -> str:
+        """HASH replica -> "1": the replicas drained in one ``serve --workers`` group."""
+        return f"{self.prefix}admin:{group}:drained"
+
     def freed_channel(self, pool: str) -> str:
         """Pub/sub channel told when a lease of ``pool`` is released (a replica pool, a tenant)."""
         return f"{self.prefix}freed:{pool}"
