@@ -233,11 +233,17 @@ async def _refusal_limits(
     path = record.path
     if (path[:-1] if path.endswith("/") and len(path) > 1 else path) not in INFERENCE_PATHS:
         return None
-    if admitted is not None and admitted.held is not None:
-        headers: dict[str, str] = {}
-        await _settle(runtime, admitted, exchange, record, headers)
-        return {**(admitted.ratelimit or {}), **headers}
-    return await refusal_headers(runtime.token_quotas, record.rate_take, record.tenant, tenant)
+    try:
+        if admitted is not None and admitted.held is not None:
+            headers: dict[str, str] = {}
+            await _settle(runtime, admitted, exchange, record, headers)
+            return {**(admitted.ratelimit or {}), **headers}
+        return await refusal_headers(runtime.token_quotas, record.rate_take, record.tenant, tenant)
+    except ProxyError:
+        # The quota store failed again while the refusal was being answered (shared
+        # state down with ``on_failure: reject``, which may be the refusal itself):
+        # the refusal goes out without its token figures, never as a bare 500.
+        return None
 
 
 async def _admit(
