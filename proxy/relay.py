@@ -46,6 +46,10 @@ HOP_BY_HOP = frozenset(
 )  # fmt: skip
 #: Non-streaming bodies up to this size are also kept to read their ``usage``.
 USAGE_SCAN_LIMIT = 256 * 1024
+#: Of a longer one, its first ``USAGE_SCAN_LIMIT`` bytes and its last this many are
+#: read: OpenAI and vLLM put ``usage`` at the end, after ``logprobs``, ``n`` choices
+#: or a batch of embeddings that pass the limit (a quota was charged nearly nothing).
+USAGE_TAIL = 16 * 1024
 
 Ending = Literal["relaying", "completed", "cancelled", "broken"]
 
@@ -98,6 +102,16 @@ def _engine_headers(headers: CIMultiDictProxy[str], record: RequestRecord) -> No
     record.output_tokens = int(generated) if generated is not None and generated.isdigit() else None
 
 
+def _usage(head: bytes, tail: bytes) -> tuple[int | None, int | None]:
+    """A non-streaming answer's token counts: from its last bytes when it was longer
+    than its kept head (``usage`` ends the document), else from the head."""
+    if tail:
+        prompt, completion = usage_from_body(tail)
+        if prompt is not None or completion is not None:
+            return prompt, completion
+    return usage_from_body(head)
+
+
 def _float(value: str) -> float | None:
     try:
         return float(value)
@@ -126,10 +140,12 @@ def relay_whole(
     body = committed.first_chunk + content.read_nowait()
     committed.close()
     relayed.upstream_done = True
-    if len(body) <= USAGE_SCAN_LIMIT:
+    if len(body) <= USAGE_SCAN_LIMIT:  # nearly always: no copy
         prompt, completion = usage_from_body(body)
-        record.input_tokens = prompt or record.input_tokens
-        record.output_tokens = completion or record.output_tokens
+    else:
+        prompt, completion = _usage(body[:USAGE_SCAN_LIMIT], body[-USAGE_TAIL:])
+    record.input_tokens = prompt or record.input_tokens
+    record.output_tokens = completion or record.output_tokens
     relayed.ending = "completed"
     relayed.input_tokens, relayed.output_tokens = record.input_tokens, record.output_tokens
     return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
@@ -165,6 +181,7 @@ async def relay(
     is_sse = upstream.content_type == "text/event-stream"
     meter = SseMeter() if is_sse else None
     kept = bytearray() if not is_sse else None
+    tail = bytearray()  # a non-SSE answer's last bytes, once it outgrew ``kept``
     strip = UsageStripper() if strip_usage and is_sse else None
     if strip is not None:
         headers.popall("Content-Length", None)  # the client gets fewer bytes
@@ -180,8 +197,12 @@ async def relay(
                 meter.feed(chunk, clock.now() if meter.first_token_at is None else 0.0)
                 if meter.done:
                     relayed.upstream_done = True
-            elif kept is not None and len(kept) + len(chunk) <= USAGE_SCAN_LIMIT:
-                kept += chunk
+            elif kept is not None:
+                if not tail and len(kept) + len(chunk) <= USAGE_SCAN_LIMIT:
+                    kept += chunk  # the head, contiguous
+                else:
+                    tail += chunk
+                    del tail[:-USAGE_TAIL]
             if strip is None:
                 await response.write(chunk)
             elif out := strip.feed(chunk):
@@ -225,8 +246,8 @@ async def relay(
             record.first_token_at = meter.first_token_at
             record.input_tokens = meter.input_tokens or record.input_tokens
             record.output_tokens = meter.output_tokens or meter.content_events or None
-        elif kept:
-            prompt, completion = usage_from_body(bytes(kept))
+        elif kept or tail:
+            prompt, completion = _usage(bytes(kept or b""), bytes(tail))
             record.input_tokens = prompt or record.input_tokens
             record.output_tokens = completion or record.output_tokens
         relayed.input_tokens, relayed.output_tokens = record.input_tokens, record.output_tokens
