@@ -16,7 +16,11 @@ Which field carries the limit:
   and when neither is present ``max_tokens`` is inserted, the one every
   engine reads;
 - OpenAI completions (``/v1/completions``): ``max_tokens``;
-- TGI (``/generate``, ``/generate_stream``): ``parameters.max_new_tokens``.
+- TGI (``/generate``, ``/generate_stream``): ``parameters.max_new_tokens``;
+  SGLang's ``/generate`` (a body with ``text`` or ``input_ids`` and no
+  ``inputs``): ``sampling_params.max_new_tokens``;
+- llama.cpp's own API (``/completion``, ``/completions``, ``/infill``):
+  ``n_predict`` (its -1, "until the end", counts as absent).
 
 A limit already at or below the cap leaves the body as it is (not
 degraded). Embeddings have no output to cap. No I/O.
@@ -32,6 +36,7 @@ DEGRADED_HEADER = "X-Admission-Degraded"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 TGI = frozenset({"/generate", "/generate_stream"})
+LLAMA_CPP = frozenset({"/completion", "/completions", "/infill"})
 
 
 def _lowered(value: object, cap: int) -> bool:
@@ -57,10 +62,21 @@ def cap_max_tokens(doc: dict[str, Any], route: str, cap: int) -> dict[str, Any] 
             return None
         return {**doc, "max_tokens": cap}
     if route in TGI:
-        params = doc.get("parameters")
-        params = params if isinstance(params, dict) else {}
-        given = params.get("max_new_tokens")
-        if given is not None and not _lowered(given, cap):
+        sglang = "inputs" not in doc and ("text" in doc or "input_ids" in doc)
+        return _capped_in(doc, "sampling_params" if sglang else "parameters", cap)
+    if route in LLAMA_CPP:
+        given = doc.get("n_predict")
+        if given is not None and given != -1 and not _lowered(given, cap):
             return None
-        return {**doc, "parameters": {**params, "max_new_tokens": cap}}
+        return {**doc, "n_predict": cap}
     return None
+
+
+def _capped_in(doc: dict[str, Any], nested: str, cap: int) -> dict[str, Any] | None:
+    """``doc`` with ``<nested>.max_new_tokens`` at most ``cap`` (TGI's and SGLang's field)."""
+    params = doc.get(nested)
+    params = params if isinstance(params, dict) else {}
+    given = params.get("max_new_tokens")
+    if given is not None and not _lowered(given, cap):
+        return None
+    return {**doc, nested: {**params, "max_new_tokens": cap}}

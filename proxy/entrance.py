@@ -36,6 +36,13 @@ from multidict import CIMultiDictProxy
 from proxy.admitted import BYTES_PER_TOKEN, Admitted, Deadline
 from proxy.affinity import affinity_key
 from proxy.degrade import DEGRADED_HEADER, MAX_TOKENS, cap_max_tokens
+from proxy.engine_routes import (
+    INFERENCE_PATHS,
+    METERED_PATHS,
+    PROMPT_ONLY_PATHS,
+    output_limit,
+    route_of,
+)
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -63,10 +70,6 @@ from proxy.settings import ANONYMOUS_REJECT, hash_api_key
 
 log = structlog.get_logger(__name__)
 
-#: Routes whose body is JSON the proxy reads (cost, streaming) and whose repeat is safe.
-INFERENCE_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate", "/generate_stream"}
-)
 #: Routes that do no GPU work: authenticated, but no queue and no seat.
 SEATLESS_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
 #: Estimated cost is capped so one request cannot claim the whole fair share.
@@ -230,8 +233,7 @@ async def _refusal_limits(
     tenant = rules.config.tenants.get(record.tenant)
     if tenant is None or (tenant.rate_per_s is None and not tenant.token_quota.enabled):
         return None
-    path = record.path
-    if (path[:-1] if path.endswith("/") and len(path) > 1 else path) not in INFERENCE_PATHS:
+    if route_of(record.path) not in METERED_PATHS:
         return None
     try:
         if admitted is not None and admitted.held is not None:
@@ -284,13 +286,14 @@ async def _admit(
     record.total_budget_ms = (deadline.total_at - arrival) * 1000.0
     entrance_until = arrival + server.entrance_ms / 1000.0
     body = await _read_body(request, max_body, entrance_until, runtime)
-    # "/v1/chat/completions/" is judged as the route it may well reach.
-    route = path[:-1] if path.endswith("/") and len(path) > 1 else path
+    route = route_of(path)
     inference = route in INFERENCE_PATHS
     method = record.method
     doc = None
     if inference and (body or method == "POST"):  # the method inference routes take
         doc = _parse_json(body)
+    elif route in METERED_PATHS and body:
+        doc = _json_object(body)  # read, not required: the engine judges any other body
     seatless = method in ("GET", "HEAD") or route in SEATLESS_PATHS
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
@@ -300,7 +303,7 @@ async def _admit(
         and runtime.models.pooled
     )
     routed = doc
-    if not inference and (body or method not in ("GET", "HEAD")) and not listing:
+    if doc is None and not inference and (body or method not in ("GET", "HEAD")) and not listing:
         routed = _model_document(body, runtime)  # any other route's model picks its pool too
     model, pool, body = _choose_pool(routed, body, tenant_config.allowed_models, runtime, record)
     if doc is not None and _degrading(priority, rules, runtime):
@@ -319,11 +322,12 @@ async def _admit(
     if runtime.shutting_down:  # seatless requests included: nothing new starts
         record.entrance_done = runtime.clock.now()
         raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
-    expected_output = runtime.output_tokens.expected(tenant)
+    # A route that generates nothing (embeddings, reranking) costs its prompt alone.
+    expected_output = 0.0 if route in PROMPT_ONLY_PATHS else runtime.output_tokens.expected(tenant)
     cost = estimate_cost(body, doc, expected_output)
     gate = None
     limited = tenant_config.token_quota.enabled or tenant_config.rate_per_s is not None
-    if inference and not seatless and limited:
+    if route in METERED_PATHS and not seatless and limited:
         try:
             gate = await admit_tokens(
                 runtime.token_quotas, rate, tenant, tenant_config, route, doc, body,
@@ -430,13 +434,8 @@ def _model_document(body: bytes, runtime: Runtime) -> dict[str, Any] | None:
     table = runtime.models
     if not table.pooled:
         return None
-    doc = None
-    if _JSON_OBJECT_START.match(body) and not json_too_deep(body, MAX_JSON_DEPTH):
-        try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
-            doc = None
-    if isinstance(doc, dict):
+    doc = _json_object(body)
+    if doc is not None:
         return doc
     served = len(table.served_models())
     if served > 1:
@@ -445,6 +444,17 @@ def _model_document(body: bytes, runtime: Runtime) -> dict[str, Any] | None:
             f"send a JSON body with model"
         )
     return {}
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None for any other body (nothing raised)."""
+    if not _JSON_OBJECT_START.match(body) or json_too_deep(body, MAX_JSON_DEPTH):
+        return None
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def _identify(headers: CIMultiDictProxy[str], rules: Rules) -> str:
@@ -569,12 +579,6 @@ def estimate_cost(body: bytes, doc: Any, expected_output: float = DEFAULT_OUTPUT
     A request that names no limit is charged ``expected_output``: its tenant's
     recent mean output (``OutputTokens``), corrected when it ends.
     """
-    output: Any = None
-    if isinstance(doc, dict):
-        output = doc.get("max_tokens") or doc.get("max_completion_tokens")
-        params = doc.get("parameters")
-        if output is None and isinstance(params, dict):
-            output = params.get("max_new_tokens")
-    if not isinstance(output, int) or output <= 0:
-        output = expected_output
+    limit = output_limit(doc)
+    output = expected_output if limit is None else limit
     return float(min(MAX_ESTIMATED_COST, len(body) // BYTES_PER_TOKEN + output))

@@ -26,9 +26,6 @@ from proxy.state.quota import QuotaRefused, QuotaRemaining
 from proxy.token_quota import Held, TokenQuotas, actual_tokens, limits_of, quota_estimate
 from proxy.usage_request import USAGE_ROUTES, request_usage
 
-#: Routes that generate no tokens: their estimate is the prompt alone.
-NO_OUTPUT_ROUTES = frozenset({"/v1/embeddings"})
-
 
 @dataclass(slots=True)
 class TokenGate:
@@ -70,8 +67,6 @@ async def admit_tokens(
     if limits is None:
         return gate
     prompt_estimate = len(body) // BYTES_PER_TOKEN
-    if route in NO_OUTPUT_ROUTES:
-        expected_output = 0.0
     estimate = quota_estimate(len(body), doc, expected_output, quota.count)
     outcome, remaining = await quotas.charge(tenant, estimate, limits)
     gate.headers.update(token_headers(limits, remaining))

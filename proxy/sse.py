@@ -3,14 +3,17 @@
 The bytes are forwarded as they arrive; this only watches them. Events are
 read line by line because a chunk boundary can fall anywhere. TTFT is the
 first ``data:`` event with non-empty ``delta.content``, ``reasoning_content``,
-``tool_calls``, completion ``text`` or TGI ``token.text``: not the first byte,
-not a role-only delta, not a ``:`` keep-alive comment (docs/REFERENCE.md).
+``tool_calls``, completion ``text``, TGI ``token.text``, llama.cpp's own
+``content`` or SGLang's ``text`` (both at the top of an event without
+``choices``): not the first byte, not a role-only delta, not a ``:``
+keep-alive comment (docs/REFERENCE.md).
 
 Only events before the first token and events that carry ``usage`` are
 decoded as JSON; after the first token the rest are counted by a cheap prefix
 check, which keeps the relay's cost per event small. The last event is kept
 and decoded once at the end (``finish``) when no ``usage`` came: that is
-where TGI puts its ``details`` and llama.cpp its ``timings``.
+where TGI puts its ``details``, llama.cpp its ``timings`` and token counts,
+and SGLang its ``meta_info`` (the last of counts every event repeats).
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ def has_token(event: Any) -> bool:
     if isinstance(token, dict) and token.get("text") and not token.get("special"):
         return True
     choices = event.get("choices")
+    if choices is None:
+        # llama.cpp's own API streams ``content``; SGLang's ``/generate`` the text so far.
+        content, text = event.get("content"), event.get("text")
+        return (isinstance(content, str) and content != "") or (
+            isinstance(text, str) and text != ""
+        )
     if not isinstance(choices, list):
         return False
     for choice in choices:
@@ -109,6 +118,7 @@ class SseMeter:
             return
         if not payload:
             return
+        self._last = payload
         try:
             event = json.loads(payload)
         except ValueError:
@@ -143,39 +153,65 @@ class SseMeter:
 
     def finish(self) -> None:
         """The stream ended: read the engine's own counts from its last event when no
-        ``usage`` came (TGI's ``details``; llama.cpp's ``timings``, whose prompt is
-        the tokens processed plus those taken from its cache)."""
+        ``usage`` came (TGI's ``details``; SGLang's ``meta_info``; llama.cpp's
+        ``tokens_predicted`` and ``tokens_evaluated``, or its ``timings``, whose
+        prompt is the tokens processed plus those taken from its cache).
+
+        SGLang and llama.cpp's own API repeat running counts in every event,
+        so only the last one is read, and only here."""
         if self.output_tokens is not None or not self._last:
             return
         try:
             event = json.loads(self._last)
         except ValueError:
             return
+        if not isinstance(event, dict):
+            return
         self._usage(event)
-        timings = event.get("timings") if isinstance(event, dict) else None
-        if self.output_tokens is None and isinstance(timings, dict):
-            predicted, processed = timings.get("predicted_n"), timings.get("prompt_n")
-            if isinstance(predicted, int):
-                self.output_tokens = predicted
-            if isinstance(processed, int):
-                cached = timings.get("cache_n")
-                self.input_tokens = processed + (cached if isinstance(cached, int) else 0)
+        if self.output_tokens is None:
+            self.input_tokens, self.output_tokens = engine_counts(event, self.input_tokens)
+
+
+def engine_counts(event: dict[str, Any], prompt: int | None) -> tuple[int | None, int | None]:
+    """Prompt and completion tokens of an engine's own final event (``prompt`` when
+    it names none): SGLang's ``meta_info``, llama.cpp's counts or ``timings``."""
+    meta = event.get("meta_info")
+    if isinstance(meta, dict) and isinstance(meta.get("completion_tokens"), int):
+        given = meta.get("prompt_tokens")
+        return (given if isinstance(given, int) else prompt), meta["completion_tokens"]
+    predicted, evaluated = event.get("tokens_predicted"), event.get("tokens_evaluated")
+    if isinstance(predicted, int):
+        return (evaluated if isinstance(evaluated, int) else prompt), predicted
+    timings = event.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+        processed, cached = timings.get("prompt_n"), timings.get("cache_n")
+        if isinstance(processed, int):
+            prompt = processed + (cached if isinstance(cached, int) else 0)
+        return prompt, timings["predicted_n"]
+    return prompt, None
 
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_EVALUATED = re.compile(rb'"tokens_evaluated"\s*:\s*(\d+)')
+_PREDICTED = re.compile(rb'"tokens_predicted"\s*:\s*(\d+)')
 
 
 def usage_from_body(body: bytes) -> tuple[int | None, int | None]:
-    """Token counts from a non-streaming OpenAI answer's ``usage``, when it has one.
+    """Token counts from a non-streaming answer: OpenAI's ``usage``, SGLang's
+    ``meta_info`` (the same two names) or llama.cpp's own ``tokens_evaluated``
+    and ``tokens_predicted``, when it has them.
 
-    A scan for the two fields instead of decoding the whole JSON document:
-    the relay does this for every answer, and only these two numbers matter.
+    A scan for the fields instead of decoding the whole JSON document: the
+    relay does this for every answer, and only these numbers matter. A name
+    in quotes cannot come from a string value, where quotes are escaped.
     """
-    if b'"usage"' not in body:
+    if b'"usage"' in body or b'"meta_info"' in body:
+        prompt, completion = _PROMPT_TOKENS.search(body), _COMPLETION_TOKENS.search(body)
+    elif b'"tokens_predicted"' in body:
+        prompt, completion = _EVALUATED.search(body), _PREDICTED.search(body)
+    else:
         return None, None
-    prompt = _PROMPT_TOKENS.search(body)
-    completion = _COMPLETION_TOKENS.search(body)
     return (
         int(prompt.group(1)) if prompt else None,
         int(completion.group(1)) if completion else None,

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from proxy.admitted import BYTES_PER_TOKEN
 from proxy.clock import Clock
+from proxy.engine_routes import output_limit
 from proxy.state.quota import (
     DAY_S,
     MINUTE_S,
@@ -40,19 +41,6 @@ from proxy.state.quota import (
 )
 
 Count = Literal["total", "completion"]
-
-
-def output_limit(doc: Any) -> int | None:
-    """The request's own output limit: ``max_tokens``, ``max_completion_tokens`` or TGI's."""
-    if not isinstance(doc, dict):
-        return None
-    output = doc.get("max_tokens") or doc.get("max_completion_tokens")
-    params = doc.get("parameters")
-    if output is None and isinstance(params, dict):
-        output = params.get("max_new_tokens")
-    if isinstance(output, int) and not isinstance(output, bool) and output > 0:
-        return output
-    return None
 
 
 def quota_estimate(body_len: int, doc: Any, expected_output: float, count: Count) -> int:

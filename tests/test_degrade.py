@@ -47,6 +47,19 @@ CAP = 2
             {"parameters": {"max_new_tokens": 2, "top_k": 3}},
         ),
         ("/generate", {"parameters": {"max_new_tokens": 1}}, None),
+        # SGLang's /generate: its limit is in sampling_params
+        ("/generate", {"text": "x"}, {"text": "x", "sampling_params": {"max_new_tokens": 2}}),
+        (
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": 9, "n": 2}},
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "n": 2}},
+        ),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, None),
+        # llama.cpp's own API: n_predict (-1 is "until the end")
+        ("/completion", {"prompt": "x"}, {"prompt": "x", "n_predict": 2}),
+        ("/completions", {"n_predict": -1}, {"n_predict": 2}),
+        ("/infill", {"n_predict": 9}, {"n_predict": 2}),
+        ("/completion", {"n_predict": 1}, None),
         ("/v1/embeddings", {"input": "x"}, None),
     ],
 )

@@ -101,3 +101,38 @@ async def test_quota_counts_llama_server_usage_and_refuses_when_spent(
     estimate = json.loads(log.getvalue().splitlines()[-2])["quota_charged_tokens"]
     assert left < estimate <= left + actuals[-1]
     proxy.assert_idle()
+
+
+async def test_llama_cpp_native_completion_is_charged_what_llama_server_counts(
+    start_proxy: Start, llama_one: list[LlamaServer]
+) -> None:
+    """llama.cpp's own ``/completion``, streamed and not: charged its ``n_predict`` at
+    admission and corrected to llama-server's own counts (``tokens_evaluated`` +
+    ``tokens_predicted``); a stream gets its time to first token. Before, this route
+    took a seat but was never charged, so a quota could be stepped around with it."""
+    log = io.StringIO()
+    clock = FakeClock(start=1_796_140_800.0)
+    proxy = await start_proxy(_config(llama_one), quota_clock=clock, access_log=log)
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    left = QUOTA
+    for stream in (True, False):
+        body = {"prompt": "Count the waves.", "n_predict": 6, "ignore_eos": True, "stream": stream}
+        async with proxy.client.post("/completion", json=body, headers=auth) as response:
+            assert response.status == 200
+            raw = await response.read()
+            remaining = response.headers["x-ratelimit-remaining-tokens"]
+        await wait_for(lambda: not proxy.runtime.active, timeout_s=10)
+        line = json.loads(log.getvalue().splitlines()[-1])
+        if stream:
+            last = json.loads(raw.strip().split(b"\n\n")[-1].removeprefix(b"data: "))
+            assert line["ttft_ms"] is not None and line["ttft_ms"] > 0
+        else:
+            last = json.loads(raw)
+            # The whole answer was there at once: its headers count its real usage.
+            assert int(remaining) == left - last["tokens_evaluated"] - last["tokens_predicted"]
+        assert last["tokens_predicted"] == 6
+        assert line["quota_charged_tokens"] == len(json.dumps(body)) // 4 + 6
+        assert (line["input_tokens"], line["output_tokens"]) == (last["tokens_evaluated"], 6)
+        assert line["quota_actual_tokens"] == last["tokens_evaluated"] + 6
+        left -= line["quota_actual_tokens"]
+    proxy.assert_idle()

@@ -9,7 +9,7 @@ import pytest
 
 from proxy.clock import FakeClock
 from proxy.ratelimit_headers import go_duration, request_headers, token_headers
-from proxy.sse import SseMeter
+from proxy.sse import SseMeter, usage_from_body
 from proxy.sse_usage import UsageStripper
 from proxy.state.quota import Charge, LocalTokenQuotas, QuotaLimits, QuotaRemaining
 from proxy.token_quota import Held, TokenQuotas, actual_tokens, quota_estimate
@@ -63,6 +63,14 @@ def test_request_headers_from_the_bucket() -> None:
         ({}, 31.2, "total", 10 + 32),  # the tenant's mean output, rounded up
         ({"max_tokens": True}, 12, "completion", 12),  # not a number: the mean
         ({"max_tokens": 100_000}, 256, "completion", 100_000),  # no cap: the bound holds
+        ({"n_predict": 20}, 256, "completion", 20),  # llama.cpp's own API
+        ({"n_predict": -1}, 12, "completion", 12),  # its "until the end": the mean
+        ({"sampling_params": {"max_new_tokens": 6}}, 256, "completion", 6),  # SGLang
+        ({"max_tokens": 10, "n": 3}, 256, "completion", 30),  # n choices generated
+        ({"max_tokens": 10, "n": 2, "best_of": 4}, 256, "completion", 40),  # vLLM best_of
+        ({"parameters": {"max_new_tokens": 5, "best_of": 2}}, 256, "completion", 10),  # TGI
+        ({"sampling_params": {"max_new_tokens": 5, "n": 3}}, 256, "completion", 15),  # SGLang
+        ({"n": 4}, 12, "completion", 12),  # no limit: the mean already counts the choices
     ],
 )
 def test_quota_estimate(doc: dict[str, Any], output: float, count: Any, expected: int) -> None:
@@ -191,3 +199,57 @@ def test_meter_reads_tgi_details_from_the_last_event() -> None:
     meter.feed(_event({"token": {"text": "b"}, "details": {"generated_tokens": 2}}), 1.1)
     meter.finish()
     assert meter.output_tokens == 2
+
+
+def test_meter_reads_llama_cpp_native_counts_from_the_last_event() -> None:
+    """llama.cpp's own ``/completion`` stream: ``content`` at the top of each event, and
+    running counts in every one; the last event's are the answer's, not the first's."""
+    meter = SseMeter()
+    meter.feed(_event({"content": "", "stop": False, "tokens_predicted": 0}), 1.0)
+    assert meter.first_token_at is None  # nothing generated yet
+    for i, text in enumerate(["a", "b", "c"], start=1):
+        meter.feed(_event({"content": text, "stop": False, "tokens_predicted": i}), 1.0 + i)
+    assert meter.first_token_at == 2.0
+    last = {"content": "", "stop": True, "tokens_predicted": 3, "tokens_evaluated": 7,
+            "timings": {"prompt_n": 1, "cache_n": 6, "predicted_n": 3}}  # fmt: skip
+    meter.feed(_event(last), 5.0)
+    meter.finish()
+    assert (meter.input_tokens, meter.output_tokens) == (7, 3)
+
+
+def test_meter_reads_sglang_meta_info_from_the_last_event() -> None:
+    """SGLang's ``/generate`` stream: the text so far in each event, ``meta_info`` counts."""
+    meter = SseMeter()
+    for i, text in enumerate(["a", "ab", "abc", "abcd"], start=1):
+        meta = {"prompt_tokens": 9, "completion_tokens": i}
+        meter.feed(_event({"text": text, "meta_info": meta, "index": 0}), float(i))
+    meter.feed(b"data: [DONE]\n\n", 5.0)
+    meter.finish()
+    assert meter.first_token_at == 1.0
+    assert (meter.input_tokens, meter.output_tokens) == (9, 4)
+
+
+def test_meter_reads_a_one_event_stream() -> None:
+    """An answer of one event (the first token is also the last): its counts are read."""
+    meter = SseMeter()
+    meter.feed(_event({"content": "a", "stop": True, "tokens_predicted": 1,
+                       "tokens_evaluated": 4}), 1.0)  # fmt: skip
+    meter.finish()
+    assert (meter.input_tokens, meter.output_tokens) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}', (3, 4)),
+        # SGLang's /generate
+        (b'{"text":"x","meta_info":{"prompt_tokens":5,"completion_tokens":6}}', (5, 6)),
+        # llama.cpp's /completion
+        (b'{"content":"x","tokens_predicted":8,"tokens_evaluated":2,"timings":{}}', (2, 8)),
+        # a count's name inside a string value is escaped, never read
+        (b'{"content":"\\"tokens_predicted\\":9","stop":true}', (None, None)),
+        (b'{"content":"x"}', (None, None)),
+    ],
+)
+def test_usage_from_a_whole_body(body: bytes, expected: tuple[int | None, int | None]) -> None:
+    assert usage_from_body(body) == expected

@@ -58,13 +58,13 @@ def _chunk(choices: list[dict[str, Any]], usage_field: bool, **extra: Any) -> by
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    """``n`` tokens (else ``max_tokens``, else 4); ``prompt_tokens`` reported (10);
+    """``generate`` tokens (else ``max_tokens``, else 4); ``prompt_tokens`` reported (10);
     ``no_usage``: never reports usage; ``hold``: waits for the gate before answering;
     ``stall_after``: stops after that many tokens until the client leaves."""
     engine = request.app[ENGINE]
     body = await request.json()
     engine.bodies.append(body)
-    n = int(body["n"]) if "n" in body else int(body.get("max_tokens") or 4)
+    n = int(body["generate"]) if "generate" in body else int(body.get("max_tokens") or 4)
     prompt = int(body.get("prompt_tokens", 10))
     usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
     if body.get("no_usage"):
@@ -184,7 +184,7 @@ async def test_day_quota_refuses_until_utc_midnight(
     """per_day 100: once used, the refusal's Retry-After is the 90 s to 00:00 UTC (not
     clamped to 60) and the reset header says so; after midnight the day is new."""
     proxy = await start_proxy(quota_config(engine_url, {"per_day": 100}), quota_clock=clock)
-    body = {"messages": [], "max_tokens": 50, "n": 80}  # generates 80: an under-estimate
+    body = {"messages": [], "max_tokens": 50, "generate": 80}  # generates 80: an under-estimate
     status, headers, _ = await chat(proxy, body)
     assert status == 200
     assert headers["x-ratelimit-remaining-tokens"] == "10"  # 100 - (10 + 80)
@@ -206,8 +206,8 @@ async def test_correction_over_and_under_the_estimate(
     log = io.StringIO()
     config = quota_config(engine_url, {"per_day": 10_000})
     proxy = await start_proxy(config, quota_clock=clock, access_log=log)
-    over = {"messages": [], "max_tokens": 200, "n": 5}
-    under = {"messages": [], "max_tokens": 20, "n": 300, "prompt_tokens": 40}
+    over = {"messages": [], "max_tokens": 200, "generate": 5}
+    under = {"messages": [], "max_tokens": 20, "generate": 300, "prompt_tokens": 40}
     assert (await chat(proxy, over))[0] == 200
     assert (await chat(proxy, under))[0] == 200
     await wait_for(lambda: log.getvalue().count("\n") == 2)
@@ -293,7 +293,7 @@ async def test_stream_without_any_usage_counts_content_chunks(
     log = io.StringIO()
     config = quota_config(engine_url, {"per_day": 10_000})
     proxy = await start_proxy(config, quota_clock=clock, access_log=log)
-    body = {"messages": [], "max_tokens": 100, "n": 6, "stream": True, "no_usage": True}
+    body = {"messages": [], "max_tokens": 100, "generate": 6, "stream": True, "no_usage": True}
     assert (await chat(proxy, body))[0] == 200
     await wait_for(lambda: bool(log.getvalue()))
     line = json.loads(log.getvalue())
@@ -334,7 +334,7 @@ async def test_reload_changes_the_quota_and_keeps_the_use(
     proxy = await start_proxy(quota_config(engine_url, {"per_day": 100}), quota_clock=clock)
     assert (await chat(proxy, {"messages": [], "max_tokens": 50}))[0] == 200
     apply_config(proxy.runtime, quota_config(engine_url, {"per_day": 200}))
-    _, headers, _ = await chat(proxy, {"messages": [], "max_tokens": 10, "n": 0})
+    _, headers, _ = await chat(proxy, {"messages": [], "max_tokens": 10, "generate": 0})
     assert headers["x-ratelimit-limit-tokens"] == "200"
     assert headers["x-ratelimit-remaining-tokens"] == str(200 - 60 - 10)
 
@@ -346,7 +346,7 @@ async def test_headers_and_metric_for_rate_and_quota(
     a rate_limited refusal; the gauge has the tenant's minute window."""
     config = quota_config(engine_url, {"per_minute": 1000}, rate_per_s=0.01, burst=2)
     proxy = await start_proxy(config, quota_clock=clock)
-    body = {"messages": [], "max_tokens": 10, "n": 10}
+    body = {"messages": [], "max_tokens": 10, "generate": 10}
     _, headers, _ = await chat(proxy, body)
     assert headers["x-ratelimit-limit-requests"] == "2"
     assert headers["x-ratelimit-remaining-requests"] == "1"
@@ -367,7 +367,7 @@ async def test_day_rollover_refills_the_day_and_the_gauge(
 ) -> None:
     """The gauge and /admin/state show a new day's full quota after 00:00 UTC."""
     proxy = await start_proxy(quota_config(engine_url, {"per_day": 500}), quota_clock=clock)
-    await chat(proxy, {"messages": [], "max_tokens": 10, "n": 90})
+    await chat(proxy, {"messages": [], "max_tokens": 10, "generate": 90})
     state = await (await proxy.client.get("/admin/state")).json()
     assert state["tenants"]["a"]["quota"]["used"] == 100
     clock.advance(90)
@@ -412,3 +412,34 @@ async def test_embeddings_are_estimated_without_output(
     assert response.status == 200
     await wait_for(lambda: bool(log.getvalue()))
     assert json.loads(log.getvalue())["quota_charged_tokens"] == len(json.dumps(body)) // 4
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "output"),
+    [
+        ("/embedding", b'{"content": "' + b"x" * 400 + b'"}', 0),  # llama.cpp's own embeddings
+        ("/v1/rerank", b'{"query": "q", "documents": ["' + b"d" * 300 + b'"]}', 0),
+        ("/rerank", b'{"query": "q", "documents": ["' + b"d" * 300 + b'"]}', 0),
+        ("/completion", b'{"prompt": "' + b"p" * 200 + b'", "n_predict": 9}', 9),
+        ("/infill", b'{"input_prefix": "def f(", "n_predict": 3}', 3),
+        # Not JSON: forwarded as before (the engine judges it), charged by its bytes and
+        # the tenant's expected output (256 before any answer), never a 400 here.
+        ("/completions", b"prompt=" + b"q" * 100, 256),
+    ],
+)
+async def test_every_route_an_engine_spends_tokens_on_is_charged(
+    start_proxy: Start, engine_url: str, clock: FakeClock, path: str, body: bytes, output: int
+) -> None:
+    """llama.cpp's own API and the rerank and embedding routes take seats like the OpenAI
+    routes: a tenant's token quota charges them too (they used to pass uncharged)."""
+    log = io.StringIO()
+    proxy = await start_proxy(
+        quota_config(engine_url, {"per_day": 1000}), quota_clock=clock, access_log=log
+    )
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    async with proxy.client.post(path, data=body, headers=headers) as response:
+        assert response.status == 200
+        assert "x-ratelimit-remaining-tokens" in response.headers
+    await wait_for(lambda: bool(log.getvalue()))
+    assert json.loads(log.getvalue())["quota_charged_tokens"] == len(body) // 4 + output
+    proxy.assert_idle()

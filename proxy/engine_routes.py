@@ -1,0 +1,79 @@
+"""Which routes the proxy reads a body on, and what a body says of its output.
+
+Three sets, each for one reason:
+
+- ``INFERENCE_PATHS``: the contract's inference routes (docs/REFERENCE.md,
+  Retry classes). Their body must be a JSON object (else 400) and a repeat
+  is safe, so every configured retry class applies to them.
+- ``NATIVE_GENERATION_PATHS``: llama.cpp's own generation API
+  (``/completion``, its alias ``/completions``, ``/infill``). An engine
+  generates there as on ``/v1/completions``, so the body is read for
+  ``stream``, the output limit (``n_predict``) and token quotas; it is not an
+  inference route, so a body that is not JSON is forwarded as before (the
+  engine judges it) and only connection failures are retried.
+- ``PROMPT_ONLY_PATHS``: routes that read a prompt and generate nothing
+  (embeddings, reranking, in their OpenAI and llama.cpp spellings). Charged
+  their prompt alone.
+
+``METERED_PATHS`` is their union: a tenant's token quota counts every route
+where an engine spends tokens, so moving a workload from ``/v1/completions``
+to llama.cpp's ``/completion`` cannot step around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INFERENCE_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate", "/generate_stream"}
+)
+NATIVE_GENERATION_PATHS = frozenset({"/completion", "/completions", "/infill"})
+PROMPT_ONLY_PATHS = frozenset(
+    {"/v1/embeddings", "/embedding", "/embeddings", "/v1/rerank", "/rerank"}
+)
+METERED_PATHS = INFERENCE_PATHS | NATIVE_GENERATION_PATHS | PROMPT_ONLY_PATHS
+
+
+def route_of(path: str) -> str:
+    """``/v1/chat/completions/`` is judged as the route it may well reach."""
+    return path[:-1] if path.endswith("/") and len(path) > 1 else path
+
+
+def _positive(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def output_limit(doc: Any) -> int | None:
+    """The most tokens the request may generate, by the field its API names it with.
+
+    OpenAI's ``max_tokens`` / ``max_completion_tokens``, TGI's
+    ``parameters.max_new_tokens``, SGLang's ``sampling_params.max_new_tokens``,
+    llama.cpp's ``n_predict`` (-1, its "until the end", counts as none);
+    times the sequences it asks for (``sequences``). None when it names no
+    limit: the caller then uses the tenant's recent mean output, which
+    already counts the choices such a tenant asks for.
+    """
+    if not isinstance(doc, dict):
+        return None
+    output = _positive(doc.get("max_tokens")) or _positive(doc.get("max_completion_tokens"))
+    for nested in ("parameters", "sampling_params"):
+        params = doc.get(nested)
+        if output is None and isinstance(params, dict):
+            output = _positive(params.get("max_new_tokens"))
+    if output is None:
+        output = _positive(doc.get("n_predict"))
+    return None if output is None else output * sequences(doc)
+
+
+def sequences(doc: dict[str, Any]) -> int:
+    """How many sequences the engine generates for one request: OpenAI's ``n``,
+    vLLM's ``best_of`` (it generates that many and returns ``n``), TGI's
+    ``parameters.best_of``, SGLang's ``sampling_params.n``. At least 1."""
+    counts = [_positive(doc.get("n")), _positive(doc.get("best_of"))]
+    for nested, key in (("parameters", "best_of"), ("sampling_params", "n")):
+        params = doc.get(nested)
+        if isinstance(params, dict):
+            counts.append(_positive(params.get(key)))
+    return max([1, *(count for count in counts if count is not None)])
