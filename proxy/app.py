@@ -14,6 +14,7 @@ import asyncio
 import os
 import random
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TextIO
 
 import aiohttp
@@ -130,9 +131,12 @@ def build_runtime(
         access_log=_access_log(access_log),
         tracing=Tracing(tracer_provider),
     )
-    telemetry.model_labels.max_labels = config.telemetry.max_tenant_labels
     models = ModelTable({}, {})
     configure_models(models, config)
+    model_labels = telemetry.model_labels
+    model_labels.max_labels = config.telemetry.max_tenant_labels
+    model_labels.served = models.served_models
+    model_labels.forget = partial(telemetry.metrics.model_requests.remove_where, "model")
     dispatcher.seats.models = models
     dispatcher.seats.affinity.max_load_factor = config.routing.max_load_factor
     health = Health(pool, config, clock, dispatcher.fleet_changed, models=models)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -115,6 +115,12 @@ class CounterFamily(_Family):
     def series(self) -> list[tuple[tuple[str, ...], CounterChild]]:
         """Every labelled series so far (a copy: safe to read while requests add more)."""
         return list(self._children.items())
+
+    def remove_where(self, label: str, value: str) -> None:
+        """Drop every series whose ``label`` is ``value`` (a label no longer in use)."""
+        index = self.labelnames.index(label)
+        for values in [values for values in self._children if values[index] == value]:
+            del self._children[values]
 
     def collect(self) -> Iterable[Metric]:
         metric = Metric(self.name, self.documentation, self._type)
@@ -210,23 +216,54 @@ class TenantLabels:
 
 
 class ModelLabels:
-    """Model names as metric labels: the first ``max_labels`` distinct ones keep
-    their name, later ones share ``other`` (models come and go with discovery,
-    so the set is first come, not configured)."""
+    """Model names as metric labels, at most ``max_labels`` at once.
 
-    __slots__ = ("_named", "max_labels")
+    Models come and go with discovery (LoRA adapters loaded and unloaded), so
+    the set is not configured. A new model takes a free name; when none is
+    free, the name used longest ago by a model no replica serves any more is
+    forgotten (``forget`` drops its series, so a churning fleet cannot grow
+    the scrape without bound) and the new model takes it. Only when every
+    name is held by a model still served does the new one share ``other``.
+    Before, the first names kept their places for the process's life, and
+    after that many adapters every new model was ``other`` for good.
+    """
 
-    def __init__(self, max_labels: int) -> None:
+    __slots__ = ("_named", "forget", "max_labels", "served")
+
+    def __init__(
+        self,
+        max_labels: int,
+        served: Callable[[], Collection[str]] = tuple,
+        forget: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.max_labels = max_labels
-        self._named: set[str] = set()
+        #: Models served now (the model table's), asked only when a name must be freed.
+        self.served = served
+        self.forget = forget
+        #: Named models, least recently used first.
+        self._named: dict[str, None] = {}
 
     def __call__(self, model: str) -> str:
-        if model in self._named:
+        named = self._named
+        if model in named:
+            del named[model]  # to the most recent end
+            named[model] = None
             return model
-        if len(self._named) < self.max_labels:
-            self._named.add(model)
-            return model
-        return OTHER_TENANTS
+        if len(named) >= self.max_labels and not self._free_one(len(named) - self.max_labels + 1):
+            return OTHER_TENANTS
+        named[model] = None
+        return model
+
+    def _free_one(self, count: int) -> bool:
+        """Forget ``count`` names of models no longer served, oldest use first."""
+        served = set(self.served())
+        gone = [name for name in self._named if name not in served][:count]
+        if len(gone) < count:
+            return False
+        for name in gone:
+            del self._named[name]
+            self.forget(name)
+        return True
 
 
 @dataclass(frozen=True, slots=True)
