@@ -33,6 +33,7 @@ from proxy.clock import Clock
 from proxy.errors import ProxyError, TotalTimeout
 from proxy.record import RequestRecord
 from proxy.sse import SseMeter, usage_from_body
+from proxy.sse_frames import SseFramer
 from proxy.sse_usage import UsageStripper
 from proxy.upstream import AnswerReader, Committed
 
@@ -185,6 +186,9 @@ async def relay(
     strip = UsageStripper() if strip_usage and is_sse else None
     if strip is not None:
         headers.popall("Content-Length", None)  # the client gets fewer bytes
+    # Whole events only (the stripper passes whole events too): an error event
+    # after a failure is then never glued to half an event.
+    framer = SseFramer() if is_sse and strip is None else None
 
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     reader = AnswerReader(upstream, deadline, clock, idle_s)
@@ -203,7 +207,10 @@ async def relay(
                 else:
                     tail += chunk
                     del tail[:-USAGE_TAIL]
-            if strip is None:
+            if framer is not None:
+                if out := framer.feed(chunk):
+                    await response.write(out)
+            elif strip is None:
                 await response.write(chunk)
             elif out := strip.feed(chunk):
                 await response.write(out)
@@ -211,7 +218,8 @@ async def relay(
         relayed.upstream_done = True
         if on_upstream_done is not None:
             on_upstream_done()
-        if strip is not None and (rest := strip.flush()):
+        rest = strip.flush() if strip is not None else framer.flush() if framer else b""
+        if rest:
             await response.write(rest)
         await response.write_eof()
         relayed.ending = "completed"
