@@ -24,7 +24,9 @@ a seat: ``wait`` then takes the tenant place and the replica seat across
 instances, and a refusal undoes the local grant, holds the full place off
 locally (a replica's ``shared_full``, a tenant blocked in the scheduler)
 until ``freed`` says it may have freed, and puts the ticket back in its
-queue, its scheduling charge refunded.
+queue, its scheduling charge refunded. A seat refused although free (another
+tenant's fair turn there, ``Blocked.turn``) holds off only the tenant refused,
+and only on that replica (``_turn_refused``).
 """
 
 from __future__ import annotations
@@ -111,6 +113,14 @@ class Dispatcher:
         #: Tenants whose shared places are all taken (held off until ``freed``).
         self._shared_blocked: set[str] = set()
         self._freed_timers: dict[tuple[PlaceKind, str], asyncio.TimerHandle] = {}
+        #: Replicas that refused a tenant its fair turn on a free seat (``Blocked.turn``),
+        #: avoided for its tickets until a seat there may have freed or the refusal's
+        #: retry time; each (tenant, replica) has its timer.
+        self._turns: dict[str, set[ReplicaName]] = {}
+        self._turn_timers: dict[tuple[str, ReplicaName], asyncio.TimerHandle] = {}
+        #: Of those, the tenants with no other free seat: blocked in the scheduler until
+        #: a seat may have freed (``_lift_turns``) or a retry time (``_turn_over``).
+        self._turn_blocked: set[str] = set()
 
     # -- configuration -----------------------------------------------------------------
 
@@ -343,7 +353,10 @@ class Dispatcher:
             ticket.place, seat.lease = answer.place, answer.seat
             return True
         self._ungrant(ticket, seat)
-        self._hold_off(answer, headroom=seat.headroom)
+        if answer.turn:
+            self._turn_refused(ticket, answer)
+        else:
+            self._hold_off(answer, headroom=seat.headroom)
         if answer.kind == "replica" and not seat.headroom and self._headroom_instead(ticket):
             return False  # ``wait`` takes its headroom seat's shared places next
         self._requeue(ticket)
@@ -425,6 +438,65 @@ class Dispatcher:
                 timer.cancel()
             self._freed_timers[key] = loop.call_at(when, self.freed, blocked.kind, blocked.name)
 
+    def _turn_refused(self, ticket: Ticket, blocked: Blocked) -> None:
+        """Redis refused ``ticket``'s tenant a free seat of ``blocked.name``: another
+        tenant, on another instance, has the earlier finish tag there. The seat is not
+        full, and the other tenants of this process may be in their turn: holding the
+        replica off for them all (``_hold_off``) left the seat idle up to the retry time
+        while they queued. So only this tenant avoids that replica, until a seat there
+        may have freed or the refusal's ``retry_in_s`` (its waiting entry in Redis lives
+        as long as it asks again in time). It is blocked in the scheduler only when no
+        other seat of its pool is free, or the pump would hand it the same seat again."""
+        tenant, replica = ticket.tenant, ReplicaName(blocked.name)
+        turns = self._turns.setdefault(tenant, set())
+        turns.add(replica)
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.001, blocked.retry_in_s)
+        timer = self._turn_timers.get((tenant, replica))
+        if timer is None or timer.when() > when:
+            if timer is not None:
+                timer.cancel()
+            self._turn_timers[(tenant, replica)] = loop.call_at(
+                when, self._turn_over, tenant, replica
+            )
+        if self.seats.free(ticket.model, avoid=frozenset(turns)) is None:
+            self._turn_blocked.add(tenant)
+            self.scheduler.set_blocked(tenant, True)
+
+    def _turn_over(self, tenant: str, replica: ReplicaName) -> None:
+        """A turn refusal's retry time: the tenant asks that replica again."""
+        self._turn_timers.pop((tenant, replica), None)
+        turns = self._turns.get(tenant)
+        if turns is not None:
+            turns.discard(replica)
+            if not turns:
+                del self._turns[tenant]
+        if tenant in self._turn_blocked:
+            self._turn_blocked.discard(tenant)
+            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+        self.pump()
+
+    def _lift_turns(self, replica: str | None) -> bool:
+        """A seat of ``replica`` (None: of any) may have freed: the turns refused there
+        are asked again, and every tenant blocked for want of another seat goes back in
+        the scheduler (a seat may be free for it now; refused again, it is blocked
+        again). Returns whether anything changed."""
+        changed = False
+        for (tenant, name), timer in list(self._turn_timers.items()):
+            if replica is None or name == replica:
+                timer.cancel()
+                del self._turn_timers[(tenant, name)]
+                turns = self._turns.get(tenant)
+                if turns is not None:
+                    turns.discard(name)
+                    if not turns:
+                        del self._turns[tenant]
+                changed = True
+        blocked, self._turn_blocked = self._turn_blocked, set()
+        for tenant in blocked:
+            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+        return changed or bool(blocked)
+
     def freed(self, kind: PlaceKind | None, name: str | None) -> None:
         """A shared place may have freed (``kind`` ``name``; None: any): try again now."""
         changed = False
@@ -440,6 +512,7 @@ class Dispatcher:
                 if held_off and (name is None or replica.name == name):
                     replica.shared_full = replica.shared_headroom_full = False
                     changed = True
+            changed = self._lift_turns(name) or changed
         for key in [k for k in self._freed_timers if kind is None or k == (kind, name)]:
             self._freed_timers.pop(key).cancel()
         if changed:
@@ -469,6 +542,7 @@ class Dispatcher:
             self.shared.give_back(lease)
             # This process may reuse the seat it frees.
             replica.shared_full = replica.shared_headroom_full = False
+            self._lift_turns(replica.name)
         self.pool.free(replica)
         self.pump()
 
@@ -577,7 +651,7 @@ class Dispatcher:
     def close(self) -> None:
         """Shutting down: refuse new tickets and answer every queued one."""
         self._closed = admission.shutting_down()
-        for tenant in list(self._inflight):
+        for tenant in set(self._inflight) | self._turn_blocked:
             self.scheduler.set_blocked(tenant, False)
         while (ticket := self.scheduler.pop()) is not None:
             self._fail(ticket, self._closed)
@@ -615,11 +689,18 @@ class Dispatcher:
             if ticket.expires_at <= now:
                 self._fail(ticket, self._expiry(ticket, now))
                 continue
-            replica = self.seats.choose(model, ticket.affinity, ticket.cost)
+            replica = self.seats.choose(
+                model, ticket.affinity, ticket.cost, self._avoided(ticket.tenant)
+            )
             assert replica is not None  # a seat of the pool was free above
             self._grant(ticket, self.pool.lease(replica), now)
             self._pool_turns[model] = self._grants
             return True
+
+    def _avoided(self, tenant: str) -> frozenset[ReplicaName]:
+        """Replicas that refused ``tenant`` its fair turn lately (``_turn_refused``)."""
+        turns = self._turns.get(tenant)
+        return frozenset(turns) if turns else frozenset()
 
     def _last_turn(self, model: str | None) -> int:
         return self._pool_turns.get(model, -1)
@@ -671,7 +752,7 @@ class Dispatcher:
             or self._at_cap(tenant)
         ):
             return None
-        return self.seats.choose(model, affinity, cost)
+        return self.seats.choose(model, affinity, cost, self._avoided(tenant))
 
     def _headroom_for(
         self, tenant: str, priority: str, now: float, model: str | None

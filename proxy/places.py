@@ -34,6 +34,9 @@ class Blocked:
     kind: PlaceKind
     name: str
     retry_in_s: float
+    #: A replica seat was free, but another tenant waiting there had the fair turn: the
+    #: refusal concerns this tenant only, not the replica (``Dispatcher._turn_refused``).
+    turn: bool = False
 
 
 class SharedPlaces(Protocol):

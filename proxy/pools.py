@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from proxy.affinity import AffinityKey, HashRing
 from proxy.models import ModelRefusal, ModelTable
 from proxy.prefill import PrefillLedger
-from proxy.replicas import Replica, ReplicaPool, Seat
+from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.scheduler import Scheduler, Ticket
 
 
@@ -267,20 +267,29 @@ class PoolSeats:
         choice = self.models.select(model, allowed=None)
         return choice if isinstance(choice, ModelRefusal) else None
 
-    def free(self, model: str | None, *, headroom: bool = False) -> Replica | None:
-        """The least-loaded replica of the pool with a free (or headroom) seat."""
-        return self.pool.choose(headroom=headroom, among=self.members(model))
+    def free(
+        self, model: str | None, *, headroom: bool = False,
+        avoid: frozenset[ReplicaName] = frozenset(),
+    ) -> Replica | None:  # fmt: skip
+        """The least-loaded replica of the pool with a free (or headroom) seat, none of
+        ``avoid``."""
+        return self.pool.choose(avoid, strict=True, headroom=headroom, among=self.members(model))
 
-    def choose(self, model: str | None, affinity: int | None, cost: float = 1.0) -> Replica | None:
+    def choose(
+        self, model: str | None, affinity: int | None, cost: float = 1.0,
+        avoid: frozenset[ReplicaName] = frozenset(),
+    ) -> Replica | None:  # fmt: skip
         """The replica for a ticket: by its affinity key on the ring when it has one
         and a replica fits the bound, else the least loaded. ``cost``: the ticket's
-        estimate, the prompt work it brings where its prefix is not cached."""
+        estimate, the prompt work it brings where its prefix is not cached. ``avoid``:
+        replicas that just refused its tenant the fair turn, taken only when no other
+        is free."""
         members = self.members(model)
         if affinity is not None:
             replica = self.affinity.choose(self.pool.replicas, members, AffinityKey(affinity), cost)
-            if replica is not None:
+            if replica is not None and replica.name not in avoid:
                 return replica
-        return self.pool.choose(among=members)
+        return self.pool.choose(avoid, among=members)
 
     def other_dispatchable(self, model: str | None, exclude: frozenset[str]) -> bool:
         """Some replica of the pool outside ``exclude`` may take work (a retry waits for it)."""

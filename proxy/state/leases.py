@@ -175,6 +175,8 @@ class Full:
 
     held: int
     retry_in_s: float
+    #: Below the limit: a seat was free but not the asker's fair turn (``_ACQUIRE_FAIR``).
+    turn: bool = False
 
 
 class LeaseStore:
@@ -217,7 +219,8 @@ class LeaseStore:
             lease_id = f"{share.tenant}|{lease_id}"
         if int(granted):
             return Lease(key, lease_id, channel)
-        return Full(int(held), max(0.0, float(wait)) / 1000)
+        turn = share is not None and int(held) < limit
+        return Full(int(held), max(0.0, float(wait)) / 1000, turn)
 
     async def release(self, lease: Lease) -> bool:
         """Give the place back; False when it was no longer held (expired or lost)."""

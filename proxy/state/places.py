@@ -148,7 +148,7 @@ class RedisPlaces:
             if place is None:
                 got = await self.store.acquire(seat.key, seat.limit, seat.channel, seat.share)
                 if isinstance(got, Full):
-                    return Blocked("replica", replica, got.retry_in_s)
+                    return Blocked("replica", replica, got.retry_in_s, got.turn)
                 return self._held(None, got)
             pair = await acquire_pair(self.store, place, seat)
         except StateDown as down:
@@ -159,7 +159,8 @@ class RedisPlaces:
             self._count(reserved, -1)
         if isinstance(pair, Refused):
             kind: PlaceKind = "tenant" if pair.which == 0 else "replica"
-            return Blocked(kind, tenant if pair.which == 0 else replica, pair.full.retry_in_s)
+            name = tenant if pair.which == 0 else replica
+            return Blocked(kind, name, pair.full.retry_in_s, pair.full.turn)
         return self._held(*pair)
 
     def _count(self, keys: list[str], step: int) -> None:

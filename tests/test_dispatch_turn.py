@@ -1,0 +1,179 @@
+"""A fair-turn refusal across instances, through the dispatcher, on a real redis-server.
+
+Redis refuses a tenant a *free* seat when another tenant waiting there (on another
+instance) has the earlier finish tag (``_ACQUIRE_FAIR``). That refusal concerns the
+tenant refused, not the replica: the other tenants of this process whose turn it is
+must still get the seat. The scripts run on a fake clock (waiting entries and leases
+expire only when a test moves it), and ``WAITING_MS`` is a minute unless a test says
+otherwise, so a refusal's retry timer (half of it) cannot be what hands a seat out:
+each grant is made by the pass the test triggers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from proxy.admitted import Deadline
+from proxy.clock import FakeClock
+from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.replicas import Replica, ReplicaPool, Seat
+from proxy.scheduler import FairScheduler, Ticket
+from proxy.settings import BudgetsConfig, ReplicaConfig, StateConfig
+from proxy.state import places as places_module
+from proxy.state.client import StateClient
+from proxy.state.keys import StateKeys
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
+from proxy.state.places import RedisPlaces
+from tests.helpers import wait_for
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+KEYS = StateKeys("admission:")
+BUDGETS = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
+#: Long enough that no retry timer fires within a test (the refusal asks back in half).
+WAITING_MS = 60_000
+LEASE_MS = 60_000
+
+
+@dataclass
+class Setup:
+    """This process's dispatcher on Redis, and another instance's store on the same Redis."""
+
+    d: Dispatcher
+    clock: FakeClock
+    here: LeaseStore
+    other: LeaseStore
+    waiting_ms: int
+
+    def enqueue(self, tenant: str) -> Ticket:
+        return self.d.enqueue(tenant, "standard", 10.0, Deadline.start(self.clock.now(), BUDGETS))
+
+    async def elsewhere(self, tenant: str, replica: str, seats: int, weight: float = 1.0) -> object:
+        """The other instance asks for a seat of ``replica`` for ``tenant``."""
+        share = Share(tenant, weight, KEYS.waiting(replica), KEYS.waiting_weights(replica),
+                      self.waiting_ms)  # fmt: skip
+        channel = KEYS.freed_channel(f"r:{replica}")
+        return await self.other.acquire(KEYS.seats(replica), seats, channel, share)
+
+
+@pytest.fixture
+async def setup(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> AsyncIterator[Setup]:
+    replicas: dict[str, int] = request.param
+    waiting_ms = replicas.pop("waiting_ms", WAITING_MS)
+    monkeypatch.setattr(places_module, "WAITING_MS", waiting_ms)
+    config = StateConfig.model_validate(
+        {"backend": "redis", "redis_url": redis_server.url, "timeout_ms": 2000}
+    )
+    clock = FakeClock(start=7_000_000.0)
+    clients = [StateClient(config, clock=clock) for _ in range(2)]
+    here = LeaseStore(clients[0], "p1", LEASE_MS)
+    other = LeaseStore(clients[1], "p2", LEASE_MS)
+    pool = ReplicaPool(
+        Replica(ReplicaConfig(name=name, url="http://127.0.0.1:1", max_concurrency=seats))
+        for name, seats in replicas.items()
+    )
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
+    d = Dispatcher(pool, FairScheduler({"standard": 1.0}), clock, limits)
+    d.shared = RedisPlaces(clients[0], KEYS, here, LeaseKeeper(here, restore=True))
+    try:
+        yield Setup(d, clock, here, other, waiting_ms)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+async def _leave(ticket: Ticket, waiter: asyncio.Task[Seat]) -> None:
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+
+
+@pytest.mark.parametrize("setup", [{"r0": 4}], indirect=True)
+async def test_a_turn_refused_to_one_tenant_leaves_the_seat_to_the_others(setup: Setup) -> None:
+    """r0 has 4 seats: a holds 1 here, another instance's x holds 1 and its c (refused when
+    r0 was full) waits; 2 are free. a's second request is refused (its tag 2 against c's 1),
+    yet b, queued here after it, takes one free seat at once (tag 1, a tie with c goes to the
+    asker) and c the other: none stays idle. A release heard later gives a its turn."""
+    d, seats = setup.d, KEYS.seats("r0")
+    first = setup.enqueue("a")
+    first_seat = await d.wait(first)
+    x = [await setup.elsewhere("x", "r0", 4) for _ in range(3)]
+    assert all(isinstance(lease, Lease) for lease in x)
+    full = await setup.elsewhere("c", "r0", 4)
+    assert isinstance(full, Full) and not full.turn  # r0 full: c waits
+    for lease in x[:2]:
+        assert isinstance(lease, Lease) and await setup.other.release(lease)
+    assert await setup.here.held(seats) == 2
+    second = setup.enqueue("a")
+    assert second.seat is not None  # granted here; Redis refuses it its turn
+    a_waiter = asyncio.create_task(d.wait(second))
+    await wait_for(lambda: second.seat is None and d.scheduler.depth("a") == 1)
+    b = setup.enqueue("b")
+    assert b.seat is not None, "b must not wait for a's turn: r0 has free seats"
+    b_seat = await d.wait(b)
+    assert b_seat.lease is not None and await setup.here.held(seats) == 3
+    assert isinstance(await setup.elsewhere("c", "r0", 4), Lease)  # c's turn: the last seat
+    assert await setup.here.held(seats) == 4 and not a_waiter.done()
+    x_left = x[2]
+    assert isinstance(x_left, Lease) and await setup.other.release(x_left)
+    d.freed("replica", "r0")  # the release's pub/sub, as the listener hears it
+    second_seat = await asyncio.wait_for(a_waiter, 10)
+    assert second_seat.lease is not None and await setup.here.held(seats) == 4
+    for ticket, seat in ((second, second_seat), (b, b_seat), (first, first_seat)):
+        d.finish(ticket, seat)
+    assert d.pool.total_inflight() == 0 and d.total_inflight() == 0
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2, "r1": 2}], indirect=True)
+async def test_a_turn_refused_on_one_replica_takes_a_free_seat_on_another(setup: Setup) -> None:
+    """c (weight 2, another instance) waits on r0, where 1 of 2 seats is free; b holds 1 of
+    r1's 2 here, so r0 is the least loaded. a's request, granted r0 here, is refused its turn
+    there and goes to r1's free seat at once (nobody waits on r1), not back to r0."""
+    d = setup.d
+    x = [await setup.elsewhere("x", "r0", 2) for _ in range(2)]
+    assert isinstance(await setup.elsewhere("c", "r0", 2, weight=2.0), Full)
+    x_first = x[0]
+    assert isinstance(x_first, Lease) and await setup.other.release(x_first)
+    r0 = d.pool.get("r0")
+    assert r0 is not None
+    r0.saturated = True  # b's seat goes to r1
+    b = setup.enqueue("b")
+    b_seat = await d.wait(b)
+    assert b_seat.replica.name == "r1"
+    r0.saturated = False
+    a = setup.enqueue("a")
+    assert a.seat is not None and a.seat.replica.name == "r0"
+    a_seat = await asyncio.wait_for(d.wait(a), 10)
+    assert a_seat.replica.name == "r1" and a_seat.lease is not None
+    assert await setup.here.held(KEYS.seats("r1")) == 2
+    assert await setup.here.held(KEYS.seats("r0")) == 1  # x's; the free one is c's
+    d.finish(a, a_seat)
+    d.finish(b, b_seat)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2, "waiting_ms": 100}], indirect=True)
+async def test_a_turn_refused_is_asked_again_at_its_retry_time(setup: Setup) -> None:
+    """Waiting entries last 100 ms here. a is refused its turn on r0 (c waits elsewhere) and
+    no release is ever heard; c stops asking (its entry expires): a asks again at the
+    refusal's retry time (50 ms) and takes the seat, with nobody to wake it."""
+    d = setup.d
+    first = setup.enqueue("a")
+    first_seat = await d.wait(first)
+    other = await setup.elsewhere("x", "r0", 2)
+    assert isinstance(await setup.elsewhere("c", "r0", 2), Full)
+    assert isinstance(other, Lease) and await setup.other.release(other)
+    second = setup.enqueue("a")
+    a_waiter = asyncio.create_task(d.wait(second))
+    await wait_for(lambda: second.seat is None and d.scheduler.depth("a") == 1)
+    setup.clock.advance(0.2)  # c's waiting entry (100 ms) expires unrenewed
+    second_seat = await asyncio.wait_for(a_waiter, 10)
+    assert second_seat.lease is not None and await setup.here.held(KEYS.seats("r0")) == 2
+    d.finish(second, second_seat)
+    d.finish(first, first_seat)
