@@ -651,7 +651,9 @@ class Dispatcher:
     def close(self) -> None:
         """Shutting down: refuse new tickets and answer every queued one."""
         self._closed = admission.shutting_down()
-        for tenant in set(self._inflight) | self._turn_blocked:
+        # Every blocked tenant: at its cap here, held off by its cap elsewhere
+        # (shared state, maybe nothing in flight here) or by a fair turn refused.
+        for tenant in set(self._inflight) | self._shared_blocked | self._turn_blocked:
             self.scheduler.set_blocked(tenant, False)
         while (ticket := self.scheduler.pop()) is not None:
             self._fail(ticket, self._closed)

@@ -10,7 +10,7 @@ import pytest
 from proxy.admitted import Deadline
 from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
-from proxy.errors import StateUnavailable
+from proxy.errors import ShuttingDown, StateUnavailable
 from proxy.places import Blocked, Held
 from proxy.replicas import Replica, ReplicaPool
 from proxy.scheduler import FairScheduler, Ticket
@@ -254,3 +254,19 @@ async def test_a_tenant_with_more_queued_stays_off_the_headroom_when_refused() -
     for ticket, waiter in zip(queued, waiters, strict=True):
         d.finish(ticket, await waiter)
     assert others.held["r:r0"] == 0 and d.pool.total_inflight() == 0
+
+
+async def test_closing_answers_a_tenant_held_off_by_its_cap_elsewhere() -> None:
+    """Tenant a (cap 1) holds its place on another instance and nothing here: its queued
+    ticket is blocked in the scheduler. Shutting down answers it at once (503
+    shutting_down), not at its queue budget's end."""
+    d, others, clock = make(seats=2, cap=1)
+    others.held["t:a"] = 1
+    a = enqueue(d, clock, "a")
+    waiter = asyncio.create_task(d.wait(a))
+    await wait_for(lambda: "a" in d._shared_blocked)
+    assert d.inflight("a") == 0 and not waiter.done()
+    d.close()
+    with pytest.raises(ShuttingDown):
+        await asyncio.wait_for(waiter, 5)
+    assert len(d.scheduler) == 0
