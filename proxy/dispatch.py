@@ -357,7 +357,14 @@ class Dispatcher:
             self._turn_refused(ticket, answer)
         else:
             self._hold_off(answer, headroom=seat.headroom)
-        if answer.kind == "replica" and not seat.headroom and self._headroom_instead(ticket):
+        # The knee full elsewhere turns into headroom; a turn refused does not (the knee
+        # has free seats, another instance's tenant's: headroom would jump its turn).
+        if (
+            answer.kind == "replica"
+            and not answer.turn
+            and not seat.headroom
+            and self._headroom_instead(ticket)
+        ):
             return False  # ``wait`` takes its headroom seat's shared places next
         self._requeue(ticket)
         return False

@@ -28,6 +28,8 @@ class OtherInstances:
         self.given_back: list[object] = []
         self.down = False
         self.retry_in_s = 60.0
+        #: Replica seats refused as another tenant's fair turn, although free.
+        self.turn_of_others = False
 
     def _take(self, key: str, limit: int) -> bool:
         if self.held.get(key, 0) >= limit:
@@ -46,10 +48,10 @@ class OtherInstances:
             if not self._take(f"t:{tenant}", cap):
                 return Blocked("tenant", tenant, self.retry_in_s)
             place = f"t:{tenant}"
-        if not self._take(f"r:{replica}", seats):
+        if self.turn_of_others or not self._take(f"r:{replica}", seats):
             if place is not None:
                 self.held[place] -= 1
-            return Blocked("replica", replica, self.retry_in_s)
+            return Blocked("replica", replica, self.retry_in_s, turn=self.turn_of_others)
         return Held(place, f"r:{replica}")
 
     async def take_seat(self, replica: str, seats: int) -> Held | Blocked:
@@ -270,3 +272,28 @@ async def test_closing_answers_a_tenant_held_off_by_its_cap_elsewhere() -> None:
     with pytest.raises(ShuttingDown):
         await asyncio.wait_for(waiter, 5)
     assert len(d.scheduler) == 0
+
+
+async def test_a_turn_refused_does_not_turn_into_a_headroom_seat() -> None:
+    """The same tenant below its fair share as above, but r0's knee has free seats that
+    are another instance's tenant's turn: headroom is for a full knee, so b waits for its
+    turn instead of jumping it on a headroom seat."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    earlier = [enqueue(d, clock, "a") for _ in range(2)]
+    for ticket in earlier:
+        d.finish(ticket, await d.wait(ticket))
+    others.turn_of_others = True
+    ticket = enqueue(d, clock, "b")
+    waiter = asyncio.create_task(d.wait(ticket))
+    await wait_for(lambda: d.scheduler.depth("b") == 1)
+    assert not waiter.done() and d.headroom_grants == 0 and d.pool.total_inflight() == 0
+    others.turn_of_others = False  # the other tenant took its seat; b's turn now
+    d.freed("replica", "r0")
+    seat = await asyncio.wait_for(waiter, 5)
+    assert not seat.headroom and seat.lease == "r:r0"
+    d.finish(ticket, seat)
