@@ -76,6 +76,17 @@ def make(seats: int = 2, cap: int | None = None) -> tuple[Dispatcher, OtherInsta
     return d, others, clock
 
 
+def make_headroom(*tenants: str) -> tuple[Dispatcher, OtherInstances, FakeClock]:
+    """r0 with a knee of 2 seats and 2 of headroom; ``tenants`` without caps."""
+    clock = FakeClock()
+    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
+    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in tenants}
+    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
+    others = OtherInstances()
+    d.shared = others
+    return d, others, clock
+
+
 def enqueue(d: Dispatcher, clock: FakeClock, tenant: str) -> Ticket:
     return d.enqueue(tenant, "standard", 10.0, Deadline.start(clock.now(), BUDGETS))
 
@@ -167,12 +178,7 @@ async def test_the_knee_full_elsewhere_leaves_the_headroom_open() -> None:
     tenant is refused there and requeued, yet a tenant below its fair share still starts
     at once on a headroom seat, taken against the knee plus the headroom; once those are
     all taken too, the headroom is held off as well until a release is heard."""
-    clock = FakeClock()
-    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
-    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b", "c")}
-    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
-    others = OtherInstances()
-    d.shared = others
+    d, others, clock = make_headroom("a", "b", "c")
     others.held["r:r0"] = 2
     flood = enqueue(d, clock, "a")
     flood_waiter = asyncio.create_task(d.wait(flood))
@@ -203,12 +209,7 @@ async def test_a_regular_seat_refused_elsewhere_turns_into_a_headroom_seat() -> 
     the regular seat granted locally is refused, and a tenant below its fair share then
     starts on a headroom seat at once, as it would have on one instance, rather than
     wait in the queue for the knee to free."""
-    clock = FakeClock()
-    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
-    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
-    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
-    others = OtherInstances()
-    d.shared = others
+    d, others, clock = make_headroom("a", "b")
     earlier = [enqueue(d, clock, "a") for _ in range(2)]  # a's recent work, here
     for ticket in earlier:
         d.finish(ticket, await d.wait(ticket))
@@ -226,12 +227,7 @@ async def test_a_regular_seat_refused_elsewhere_turns_into_a_headroom_seat() -> 
 async def test_a_tenant_with_more_queued_stays_off_the_headroom_when_refused() -> None:
     """As on one instance, a tenant with tickets of its own queued never takes headroom,
     even below its fair share: its popped ticket, refused the knee elsewhere, requeues."""
-    clock = FakeClock()
-    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
-    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
-    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
-    others = OtherInstances()
-    d.shared = others
+    d, others, clock = make_headroom("a", "b")
     replica = d.pool.replicas[0]
     for _ in range(4):  # b's recent work: a is well below its share
         for ticket in [enqueue(d, clock, "b") for _ in range(2)]:
@@ -278,12 +274,7 @@ async def test_a_turn_refused_does_not_turn_into_a_headroom_seat() -> None:
     """The same tenant below its fair share as above, but r0's knee has free seats that
     are another instance's tenant's turn: headroom is for a full knee, so b waits for its
     turn instead of jumping it on a headroom seat."""
-    clock = FakeClock()
-    config = ReplicaConfig(name="r0", url="http://127.0.0.1:1", max_concurrency=2, headroom=2)
-    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
-    d = Dispatcher(ReplicaPool([Replica(config)]), FairScheduler({"standard": 1.0}), clock, limits)
-    others = OtherInstances()
-    d.shared = others
+    d, others, clock = make_headroom("a", "b")
     earlier = [enqueue(d, clock, "a") for _ in range(2)]
     for ticket in earlier:
         d.finish(ticket, await d.wait(ticket))
