@@ -44,6 +44,7 @@ from proxy.telemetry.state_metrics import SharedStateCollector
 from proxy.token_quota import limits_of
 from proxy.ui import add_ui_routes
 from proxy.worker_admin import WORKER_ADMIN, set_draining
+from proxy.worker_metrics import WORKER_METRICS
 
 log = structlog.get_logger(__name__)
 ReservedHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -121,10 +122,14 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    registry = request.app[RUNTIME].telemetry.metrics.registry
-    return web.Response(
-        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
+    """This process's metrics; with ``serve --workers N``, every worker's added up
+    (``worker_metrics.py``), whichever worker the scrape reached."""
+    group = request.app[WORKER_METRICS]
+    if group is not None:
+        body = await group.scrape()
+    else:
+        body = generate_latest(request.app[RUNTIME].telemetry.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def _authorized(request: web.Request, runtime: Runtime) -> bool:

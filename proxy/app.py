@@ -48,6 +48,7 @@ from proxy.tls import tls_by_replica
 from proxy.token_quota import TokenQuotas
 from proxy.upstream import make_session
 from proxy.worker_admin import WORKER_ADMIN, WorkerAdmin
+from proxy.worker_metrics import WORKER_METRICS, WorkerMetrics
 
 SessionFactory = Callable[[Config], aiohttp.ClientSession]
 
@@ -219,6 +220,9 @@ def build_app(
     if worker_group is not None and runtime.state is not None:
         group = WorkerAdmin(runtime.state, worker_group, runtime, reloader)
     app[WORKER_ADMIN] = group
+    registry = runtime.telemetry.metrics.registry
+    sockets = WorkerMetrics(worker_group, registry) if worker_group is not None else None
+    app[WORKER_METRICS] = sockets
     factory = session_factory or _default_session
 
     async def upstream_session(app: web.Application) -> AsyncIterator[None]:
@@ -274,7 +278,17 @@ def build_app(
             await group.close()
         await state.close()
 
+    async def metrics_socket(app: web.Application) -> AsyncIterator[None]:
+        """``serve --workers``: this worker's metrics for the group's scrapes."""
+        if sockets is None:
+            yield
+            return
+        await sockets.start()
+        yield
+        await sockets.close()
+
     app.cleanup_ctx.append(shared_state)
+    app.cleanup_ctx.append(metrics_socket)
     app.cleanup_ctx.append(upstream_session)
     app.cleanup_ctx.append(health_loop)
     app.cleanup_ctx.append(config_watcher)

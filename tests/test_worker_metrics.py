@@ -1,0 +1,98 @@
+"""``serve --workers N``: whichever worker a scrape reaches, ``/metrics`` counts them all.
+
+Before, a scrape saw the one worker the kernel handed it to: its counters, the
+next scrape another's, which Prometheus reads as counter resets. Each worker
+now serves its own exposition on a Unix socket private to its group, and the
+worker scraped adds its siblings' to its own (``proxy/worker_metrics.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proxy.worker_metrics import merge, socket_dir
+from tests.fleet import start_serve, write_config
+from tests.helpers import KEY_A, samples_by_label
+from tests.redis_server import RedisServer
+
+CHAT = "/v1/chat/completions"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+REQUESTS = 40
+SCRAPES = 6
+
+
+def _worker(requests: int, depth: float, healthy: float, waited: float) -> str:
+    """One worker's exposition: a counter, a histogram and three kinds of gauge."""
+    registry = CollectorRegistry()
+    Counter("admission_requests", "R", ["tenant"], registry=registry).labels("a").inc(requests)
+    Histogram("admission_ttft_seconds", "T", ["tenant"], registry=registry).labels("a").observe(
+        waited
+    )
+    Gauge("admission_queue_depth", "Q", ["tenant"], registry=registry).labels("a").set(depth)
+    Gauge("admission_replica_healthy", "H", ["replica"], registry=registry).labels("r0").set(
+        healthy
+    )
+    Gauge("admission_replica_limit", "L", ["replica"], registry=registry).labels("r0").set(8)
+    Gauge("admission_something_new", "N", registry=registry).set(depth)
+    return generate_latest(registry).decode()
+
+
+def test_counters_and_histograms_add_up_and_each_gauge_by_its_meaning() -> None:
+    text = merge([_worker(3, 2, 1, 0.02), _worker(5, 4, 0, 0.3)]).decode()
+    assert samples_by_label(text, "admission_requests_total", "tenant") == {"a": 8.0}
+    assert samples_by_label(text, "admission_ttft_seconds_count", "tenant") == {"a": 2.0}
+    buckets = samples_by_label(text, "admission_ttft_seconds_bucket", "le")
+    assert (buckets["0.025"], buckets["0.5"], buckets["+Inf"]) == (1.0, 2.0, 2.0)
+    assert samples_by_label(text, "admission_queue_depth", "tenant") == {"a": 6.0}  # summed
+    assert samples_by_label(text, "admission_replica_healthy", "replica") == {"r0": 0.0}  # least
+    assert samples_by_label(text, "admission_replica_limit", "replica") == {"r0": 8.0}  # same
+    assert "admission_something_new 6.0" in text  # a gauge not listed is summed
+
+
+def test_one_worker_comes_out_as_it_went_in() -> None:
+    text = _worker(3, 2, 1, 0.02)
+    assert merge([text]).decode() == text
+
+
+@pytest.mark.redis
+async def test_every_scrape_counts_every_worker(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """Two workers; 40 requests, each on a new connection (the kernel spreads them over
+    both); then every one of six scrapes, each on a new connection, counts all 40."""
+    config = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 4}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+        "state": {"backend": "redis", "redis_url": redis_server.url},
+    }
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    try:
+        pids = {line["pid"] for line in proxy.listening()}
+        for _ in range(REQUESTS):
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(proxy.url + CHAT, json=BODY, headers=AUTH) as resp,
+            ):
+                assert resp.status == 200
+        counted = []
+        for _ in range(SCRAPES):
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(proxy.url + "/metrics") as resp,
+            ):
+                text = await resp.text()
+            counted.append(samples_by_label(text, "admission_requests_total", "outcome"))
+        assert counted == [{"completed": float(REQUESTS)}] * SCRAPES
+        # The group's directory: where one of these workers' sockets is.
+        pid = next(iter(pids))
+        (socket,) = socket_dir("*").parent.glob(f"{socket_dir('*').name}/{pid}.sock")
+        directory = socket.parent
+        assert {path.stem for path in directory.glob("*.sock")} == {str(p) for p in pids}
+    finally:
+        assert await proxy.stop() == 0
+    assert not directory.exists()  # the last worker to stop removed it
