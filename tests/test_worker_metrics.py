@@ -14,9 +14,11 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from proxy.worker_metrics import merge, socket_dir
+from proxy.app import build_app
+from proxy.runtime import RUNTIME
+from proxy.worker_metrics import GAUGE_MERGE, merge, socket_dir
 from tests.fleet import start_serve, write_config
-from tests.helpers import KEY_A, samples_by_label
+from tests.helpers import KEY_A, make_config, samples_by_label
 from tests.redis_server import RedisServer
 
 CHAT = "/v1/chat/completions"
@@ -96,3 +98,15 @@ async def test_every_scrape_counts_every_worker(
     finally:
         assert await proxy.stop() == 0
     assert not directory.exists()  # the last worker to stop removed it
+
+
+def test_every_gauge_of_the_proxy_has_a_rule_for_adding_workers_up() -> None:
+    """A gauge added later must say how workers add up (a sum is wrong for most)."""
+    app = build_app(make_config(["http://127.0.0.1:9"]), seed=1)
+    registry = app[RUNTIME].telemetry.metrics.registry
+    gauges = {
+        family.name
+        for family in registry.collect()
+        if family.type == "gauge" and not family.name.endswith("_created")
+    }
+    assert gauges and gauges <= set(GAUGE_MERGE), gauges - set(GAUGE_MERGE)
