@@ -118,9 +118,10 @@ class Dispatcher:
         #: retry time; each (tenant, replica) has its timer.
         self._turns: dict[str, set[ReplicaName]] = {}
         self._turn_timers: dict[tuple[str, ReplicaName], asyncio.TimerHandle] = {}
-        #: Of those, the tenants with no other free seat: blocked in the scheduler until
-        #: a seat may have freed (``_lift_turns``) or a retry time (``_turn_over``).
-        self._turn_blocked: set[str] = set()
+        #: Of those, the tenants with no other free seat (in the pools named): blocked in
+        #: the scheduler until a seat may have freed for them (``_lift_turns``) or a retry
+        #: time (``_turn_over``).
+        self._turn_blocked: dict[str, set[str | None]] = {}
 
     # -- configuration -----------------------------------------------------------------
 
@@ -467,7 +468,7 @@ class Dispatcher:
                 when, self._turn_over, tenant, replica
             )
         if self.seats.free(ticket.model, avoid=frozenset(turns)) is None:
-            self._turn_blocked.add(tenant)
+            self._turn_blocked.setdefault(tenant, set()).add(ticket.model)
             self.scheduler.set_blocked(tenant, True)
 
     def _turn_over(self, tenant: str, replica: ReplicaName) -> None:
@@ -478,17 +479,20 @@ class Dispatcher:
             turns.discard(replica)
             if not turns:
                 del self._turns[tenant]
-        if tenant in self._turn_blocked:
-            self._turn_blocked.discard(tenant)
+        if self._turn_blocked.pop(tenant, None) is not None:
             self.scheduler.set_blocked(tenant, self._at_cap(tenant))
         self.pump()
 
     def _lift_turns(self, replica: str | None) -> bool:
         """A seat of ``replica`` (None: of any) may have freed: the turns refused there
-        are asked again, and every tenant blocked for want of another seat goes back in
-        the scheduler (a seat may be free for it now; refused again, it is blocked
-        again). Returns whether anything changed."""
+        are asked again, and a tenant blocked for want of another seat goes back in the
+        scheduler when it had avoided ``replica`` or a seat it does not avoid is free now
+        in a pool where it waits (refused again, it is blocked again). Any other stays
+        blocked: unblocked, the pump handed it the seat it avoids, and Redis refused it
+        again, one round trip per held tenant for every release heard in the fleet.
+        Called once the seat is back in the local pool. Returns whether anything changed."""
         changed = False
+        lifted: set[str] = set()
         for (tenant, name), timer in list(self._turn_timers.items()):
             if replica is None or name == replica:
                 timer.cancel()
@@ -498,11 +502,21 @@ class Dispatcher:
                     turns.discard(name)
                     if not turns:
                         del self._turns[tenant]
+                lifted.add(tenant)
                 changed = True
-        blocked, self._turn_blocked = self._turn_blocked, set()
-        for tenant in blocked:
-            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
-        return changed or bool(blocked)
+        for tenant, models in list(self._turn_blocked.items()):
+            if tenant in lifted or self._free_for(tenant, models):
+                del self._turn_blocked[tenant]
+                self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+                changed = True
+        return changed
+
+    def _free_for(self, tenant: str, models: set[str | None]) -> bool:
+        """A seat ``tenant`` does not avoid is free in one of ``models`` or of the pools
+        where it has tickets queued."""
+        avoid = self._avoided(tenant)
+        waits = {m for m in self.scheduler.waiting_models() if self.scheduler.of(m).depth(tenant)}
+        return any(self.seats.free(m, avoid=avoid) is not None for m in models | waits)
 
     def freed(self, kind: PlaceKind | None, name: str | None) -> None:
         """A shared place may have freed (``kind`` ``name``; None: any): try again now."""
@@ -549,8 +563,9 @@ class Dispatcher:
             self.shared.give_back(lease)
             # This process may reuse the seat it frees.
             replica.shared_full = replica.shared_headroom_full = False
-            self._lift_turns(replica.name)
         self.pool.free(replica)
+        if lease is not None and self.shared is not None:
+            self._lift_turns(replica.name)  # the seat is back: free for a held tenant
         self.pump()
 
     def finish(
@@ -660,7 +675,7 @@ class Dispatcher:
         self._closed = admission.shutting_down()
         # Every blocked tenant: at its cap here, held off by its cap elsewhere
         # (shared state, maybe nothing in flight here) or by a fair turn refused.
-        for tenant in set(self._inflight) | self._shared_blocked | self._turn_blocked:
+        for tenant in set(self._inflight) | self._shared_blocked | set(self._turn_blocked):
             self.scheduler.set_blocked(tenant, False)
         while (ticket := self.scheduler.pop()) is not None:
             self._fail(ticket, self._closed)

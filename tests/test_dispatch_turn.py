@@ -177,3 +177,56 @@ async def test_a_turn_refused_is_asked_again_at_its_retry_time(setup: Setup) -> 
     assert second_seat.lease is not None and await setup.here.held(KEYS.seats("r0")) == 2
     d.finish(second, second_seat)
     d.finish(first, first_seat)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2, "r1": 1, "r2": 2}], indirect=True)
+async def test_a_release_that_cannot_seat_a_held_tenant_costs_no_redis_call(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a is refused its turn on r0 (c, weight 2, waits there elsewhere) while r1's one seat
+    is b's here: a is held. Another instance then takes and gives back seats of r2, which
+    this process does not use (its engine says saturated here): each release is heard, yet
+    none can seat a, so none may send a back to Redis for r0 (each did: unblocked, a took
+    r0's free seat again, the one it avoids, and was refused again: one round trip per held
+    tenant per release anywhere in the fleet). b's seat of r1 given back here seats a at once."""
+    d = setup.d
+    asked: list[str] = []
+    acquire = LeaseStore.acquire
+
+    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
+        if self is setup.here:
+            asked.append(key)
+        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    r0, r2 = d.pool.get("r0"), d.pool.get("r2")
+    assert r0 is not None and r2 is not None
+    r2.saturated = True
+    r0.saturated = True  # b's seat goes to r1
+    b = setup.enqueue("b")
+    b_seat = await d.wait(b)
+    assert b_seat.replica.name == "r1"
+    r0.saturated = False
+    asked.clear()
+    x = [await setup.elsewhere("x", "r0", 2) for _ in range(2)]
+    assert isinstance(await setup.elsewhere("c", "r0", 2, weight=2.0), Full)
+    x_first = x[0]
+    assert isinstance(x_first, Lease) and await setup.other.release(x_first)
+    a = setup.enqueue("a")
+    a_waiter = asyncio.create_task(d.wait(a))
+    await wait_for(lambda: a.seat is None and d.scheduler.depth("a") == 1)
+    assert asked == [KEYS.seats("r0")]  # refused its turn once; held (r1 is b's)
+    for _ in range(5):
+        lease = await setup.elsewhere("y", "r2", 2)
+        assert isinstance(lease, Lease) and await setup.other.release(lease)
+        d.freed("replica", "r2")  # the release's pub/sub, as the listener hears it
+        assert a.seat is None, "a release of r2 handed a the seat of r0 it avoids"
+        for _ in range(20):  # a round trip started anyway would be under way by now
+            await asyncio.sleep(0)
+    assert asked == [KEYS.seats("r0")], "a release of r2 sent a back to Redis for r0"
+    assert not a_waiter.done() and d.scheduler.depth("a") == 1
+    d.finish(b, b_seat)  # r1's seat back here: a takes it at once, not at its retry time
+    a_seat = await asyncio.wait_for(a_waiter, 10)
+    assert a_seat.replica.name == "r1" and a_seat.lease is not None
+    assert asked == [KEYS.seats("r0"), KEYS.seats("r1")]
+    d.finish(a, a_seat)
