@@ -367,6 +367,8 @@ class Dispatcher:
             and self._headroom_instead(ticket)
         ):
             return False  # ``wait`` takes its headroom seat's shared places next
+        if answer.kind == "replica" and not answer.turn:
+            self._hold_if_avoiding(ticket)  # the seat it took instead was full elsewhere
         self._requeue(ticket)
         return False
 
@@ -467,9 +469,17 @@ class Dispatcher:
             self._turn_timers[(tenant, replica)] = loop.call_at(
                 when, self._turn_over, tenant, replica
             )
-        if self.seats.free(ticket.model, avoid=frozenset(turns)) is None:
-            self._turn_blocked.setdefault(tenant, set()).add(ticket.model)
-            self.scheduler.set_blocked(tenant, True)
+        self._hold_if_avoiding(ticket)
+
+    def _hold_if_avoiding(self, ticket: Ticket) -> None:
+        """Block ``ticket``'s tenant in the scheduler while the only free seats of its
+        pool are on replicas that refused it its turn: the pump would hand it one, and
+        Redis refuse it again. Only a tenant with such a replica (and so a timer that
+        lifts the block) is blocked."""
+        turns = self._turns.get(ticket.tenant)
+        if turns and self.seats.free(ticket.model, avoid=frozenset(turns)) is None:
+            self._turn_blocked.setdefault(ticket.tenant, set()).add(ticket.model)
+            self.scheduler.set_blocked(ticket.tenant, True)
 
     def _turn_over(self, tenant: str, replica: ReplicaName) -> None:
         """A turn refusal's retry time: the tenant asks that replica again."""

@@ -230,3 +230,49 @@ async def test_a_release_that_cannot_seat_a_held_tenant_costs_no_redis_call(
     assert a_seat.replica.name == "r1" and a_seat.lease is not None
     assert asked == [KEYS.seats("r0"), KEYS.seats("r1")]
     d.finish(a, a_seat)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2, "r1": 2}], indirect=True)
+async def test_a_tenant_avoiding_a_replica_found_full_elsewhere_is_held_not_sent_back(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a is refused its turn on r0 (c, weight 2, waits there elsewhere); r1 has a seat free
+    here, but another instance holds it: Redis finds r1 full. a then has no seat left but
+    the one of r0 it avoids, so it is held: it was sent back to r0 at once and refused
+    again, a round trip that could not succeed (and one more for every r1 release heard
+    while r1 stays full). A seat of r1 given back here seats it."""
+    d = setup.d
+    asked: list[str] = []
+    acquire = LeaseStore.acquire
+
+    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
+        if self is setup.here:
+            asked.append(key)
+        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    r0 = d.pool.get("r0")
+    assert r0 is not None
+    r0.saturated = True  # b's seat goes to r1
+    b = setup.enqueue("b")
+    b_seat = await d.wait(b)
+    assert b_seat.replica.name == "r1"
+    r0.saturated = False
+    assert isinstance(await setup.elsewhere("y", "r1", 2), Lease)  # r1 full across instances
+    x = [await setup.elsewhere("x", "r0", 2) for _ in range(2)]
+    assert isinstance(await setup.elsewhere("c", "r0", 2, weight=2.0), Full)
+    x_first = x[0]
+    assert isinstance(x_first, Lease) and await setup.other.release(x_first)
+    asked.clear()
+    a = setup.enqueue("a")
+    assert a.seat is not None and a.seat.replica.name == "r0"
+    a_waiter = asyncio.create_task(d.wait(a))
+    await wait_for(lambda: len(asked) >= 2 and a.seat is None and d.scheduler.depth("a") == 1)
+    for _ in range(20):  # a round trip started anyway would be under way by now
+        await asyncio.sleep(0)
+    assert asked == [KEYS.seats("r0"), KEYS.seats("r1")], "sent back to the r0 it avoids"
+    assert not a_waiter.done()
+    d.finish(b, b_seat)  # r1's seat back here
+    a_seat = await asyncio.wait_for(a_waiter, 10)
+    assert a_seat.replica.name == "r1" and a_seat.lease is not None
+    d.finish(a, a_seat)
