@@ -489,20 +489,15 @@ class Dispatcher:
             turns.discard(replica)
             if not turns:
                 del self._turns[tenant]
-        if self._turn_blocked.pop(tenant, None) is not None:
-            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+        self._unhold(tenant)
         self.pump()
 
     def _lift_turns(self, replica: str | None) -> bool:
         """A seat of ``replica`` (None: of any) may have freed: the turns refused there
-        are asked again, and a tenant blocked for want of another seat goes back in the
-        scheduler when it had avoided ``replica`` or a seat it does not avoid is free now
-        in a pool where it waits (refused again, it is blocked again). Any other stays
-        blocked: unblocked, the pump handed it the seat it avoids, and Redis refused it
-        again, one round trip per held tenant for every release heard in the fleet.
-        Called once the seat is back in the local pool. Returns whether anything changed."""
+        are asked again, and each tenant held for want of another seat is let go where
+        ``_unhold`` says (refused again, it is held again). Called once the seat is back
+        in the local pool. Returns whether anything changed."""
         changed = False
-        lifted: set[str] = set()
         for (tenant, name), timer in list(self._turn_timers.items()):
             if replica is None or name == replica:
                 timer.cancel()
@@ -512,14 +507,24 @@ class Dispatcher:
                     turns.discard(name)
                     if not turns:
                         del self._turns[tenant]
-                lifted.add(tenant)
                 changed = True
-        for tenant, models in list(self._turn_blocked.items()):
-            if tenant in lifted or self._free_for(tenant, models):
-                del self._turn_blocked[tenant]
-                self.scheduler.set_blocked(tenant, self._at_cap(tenant))
-                changed = True
+        for tenant in list(self._turn_blocked):
+            changed = self._unhold(tenant) or changed
         return changed
+
+    def _unhold(self, tenant: str) -> bool:
+        """Let a tenant held by ``_hold_if_avoiding`` go back in the scheduler when it
+        avoids nothing any more or a seat it does not avoid is free now, in the pool it
+        was held for or one where it waits. Otherwise it stays held: let go, the pump
+        handed it the free seat it avoids and Redis refused it again (one round trip per
+        held tenant for every release heard in the fleet). It still avoids a replica
+        then, whose timer (``_turn_over``) comes back here. True: let go."""
+        models = self._turn_blocked.get(tenant)
+        if models is None or (self._turns.get(tenant) and not self._free_for(tenant, models)):
+            return False
+        del self._turn_blocked[tenant]
+        self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+        return True
 
     def _free_for(self, tenant: str, models: set[str | None]) -> bool:
         """A seat ``tenant`` does not avoid is free in one of ``models`` or of the pools

@@ -276,3 +276,47 @@ async def test_a_tenant_avoiding_a_replica_found_full_elsewhere_is_held_not_sent
     a_seat = await asyncio.wait_for(a_waiter, 10)
     assert a_seat.replica.name == "r1" and a_seat.lease is not None
     d.finish(a, a_seat)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 3, "r1": 3}], indirect=True)
+async def test_a_hold_lifted_on_one_replica_stays_while_only_the_other_is_free(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """c (weight 2, another instance) waits on r0 and r1, each with 2 of 3 seats free: a is
+    refused its turn on both and held. A release of r0 is heard while r0 takes no work here
+    (its engine says saturated): a may ask r0 again, but r0 has no seat here and the one
+    free seat it could be handed is r1's, which it still avoids: it stays held (it was
+    unblocked and sent to r1, refused again). Once c took its seat of r1 and that release
+    is heard, a takes r1."""
+    d = setup.d
+    asked: list[str] = []
+    acquire = LeaseStore.acquire
+
+    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
+        if self is setup.here:
+            asked.append(key)
+        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    for name in ("r0", "r1"):
+        x = [await setup.elsewhere("x", name, 3) for _ in range(3)]
+        assert isinstance(await setup.elsewhere("c", name, 3, weight=2.0), Full)
+        for lease in x[:2]:
+            assert isinstance(lease, Lease) and await setup.other.release(lease)
+    a = setup.enqueue("a")
+    a_waiter = asyncio.create_task(d.wait(a))
+    await wait_for(lambda: len(asked) == 2 and a.seat is None and "a" in d._turn_blocked)
+    assert set(asked) == {KEYS.seats("r0"), KEYS.seats("r1")}
+    r0 = d.pool.get("r0")
+    assert r0 is not None
+    r0.saturated = True
+    d.freed("replica", "r0")
+    assert a.seat is None, "a was handed r1's seat, which refused it its turn"
+    for _ in range(20):  # a round trip started anyway would be under way by now
+        await asyncio.sleep(0)
+    assert len(asked) == 2 and not a_waiter.done()
+    assert isinstance(await setup.elsewhere("c", "r1", 3, weight=2.0), Lease)  # c's turn
+    d.freed("replica", "r1")
+    a_seat = await asyncio.wait_for(a_waiter, 10)
+    assert a_seat.replica.name == "r1" and asked[2:] == [KEYS.seats("r1")]
+    d.finish(a, a_seat)
