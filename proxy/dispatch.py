@@ -129,7 +129,7 @@ class Dispatcher:
         """New caps and capacities apply at once; nothing queued is evicted."""
         self._limits = dict(limits)
         for tenant in set(self._inflight) | set(self._limits):
-            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+            self.scheduler.set_blocked(tenant, self._held_back(tenant))
         self.pump()
 
     def set_observing(self, observing: bool) -> None:
@@ -397,12 +397,13 @@ class Dispatcher:
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
-        if not self._at_cap(ticket.tenant):
+        if not self._held_back(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, False)
         ticket.seat, ticket.granted_at = None, None
         seat.released = True
         self.seats.affinity.ended(seat, warmed=False)
         self.pool.free(seat.replica)
+        self._unhold(ticket.tenant)  # the seat is back: maybe one it does not avoid
 
     def _requeue(self, ticket: Ticket) -> None:
         """Back in its queue (or its refusal raised): its pop's charge refunded."""
@@ -540,7 +541,7 @@ class Dispatcher:
             tenants = set(self._shared_blocked) if name is None else {name}
             for tenant in tenants & self._shared_blocked:
                 self._shared_blocked.discard(tenant)
-                self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+                self.scheduler.set_blocked(tenant, self._held_back(tenant))
                 changed = True
         if kind is None or kind == "replica":
             for replica in self.pool.replicas:
@@ -604,7 +605,7 @@ class Dispatcher:
             self.shared.give_back(ticket.place)
             ticket.place = None
             self._shared_blocked.discard(ticket.tenant)
-        if not self._at_cap(ticket.tenant):
+        if not self._held_back(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, False)
         self.scheduler.finished(ticket, ticket.cost if actual_cost is None else actual_cost)
         if seat is not None and not (seat.released or seat_grace_s > 0):
@@ -779,6 +780,12 @@ class Dispatcher:
         if cap is None:
             return False
         return self._inflight.get(tenant, 0) >= cap or tenant in self._shared_blocked
+
+    def _held_back(self, tenant: str) -> bool:
+        """Blocked in the scheduler: at its cap (``_at_cap``), or held for want of a seat
+        it does not avoid (``_hold_if_avoiding``, let go only by ``_unhold``: a place
+        coming back does not give it a seat)."""
+        return self._at_cap(tenant) or tenant in self._turn_blocked
 
     def _replica_for_immediate_start(
         self, tenant: str, model: str | None, affinity: int | None, cost: float

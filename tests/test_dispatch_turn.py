@@ -320,3 +320,45 @@ async def test_a_hold_lifted_on_one_replica_stays_while_only_the_other_is_free(
     a_seat = await asyncio.wait_for(a_waiter, 10)
     assert a_seat.replica.name == "r1" and asked[2:] == [KEYS.seats("r1")]
     d.finish(a, a_seat)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2, "r1": 1}], indirect=True)
+async def test_a_request_of_a_held_tenant_ending_keeps_it_held_until_its_seat_is_back(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a's first request holds r1's one seat; its second is refused its turn on r0 (c,
+    weight 2, waits there elsewhere): a is held. The first one's client leaves: its tenant
+    place is free at once, its seat only after the engine's grace. Until then the one free
+    seat is r0's, which a avoids: a stays held (it was let go by its place coming back and
+    sent to r0, refused again). The seat back after the grace seats a on r1."""
+    d = setup.d
+    asked: list[str] = []
+    acquire = LeaseStore.acquire
+
+    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
+        if self is setup.here:
+            asked.append(key)
+        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    r0 = d.pool.get("r0")
+    assert r0 is not None
+    r0.saturated = True  # the first request goes to r1
+    first = setup.enqueue("a")
+    first_seat = await d.wait(first)
+    assert first_seat.replica.name == "r1"
+    r0.saturated = False
+    x = [await setup.elsewhere("x", "r0", 2) for _ in range(2)]
+    assert isinstance(await setup.elsewhere("c", "r0", 2, weight=2.0), Full)
+    x_first = x[0]
+    assert isinstance(x_first, Lease) and await setup.other.release(x_first)
+    asked.clear()
+    second = setup.enqueue("a")
+    a_waiter = asyncio.create_task(d.wait(second))
+    await wait_for(lambda: second.seat is None and "a" in d._turn_blocked)
+    assert asked == [KEYS.seats("r0")]
+    d.finish(first, first_seat, seat_grace_s=0.05)
+    assert second.seat is None, "a was handed r0's seat, which refused it its turn"
+    second_seat = await asyncio.wait_for(a_waiter, 10)
+    assert second_seat.replica.name == "r1" and asked == [KEYS.seats("r0"), KEYS.seats("r1")]
+    d.finish(second, second_seat)
