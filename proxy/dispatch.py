@@ -510,29 +510,41 @@ class Dispatcher:
                         del self._turns[tenant]
                 changed = True
         for tenant in list(self._turn_blocked):
-            changed = self._unhold(tenant) or changed
+            changed = self._unhold(tenant, replica) or changed
         return changed
 
-    def _unhold(self, tenant: str) -> bool:
+    def _unhold(self, tenant: str, replica: str | None = None) -> bool:
         """Let a tenant held by ``_hold_if_avoiding`` go back in the scheduler when it
         avoids nothing any more or a seat it does not avoid is free now, in the pool it
         was held for or one where it waits. Otherwise it stays held: let go, the pump
         handed it the free seat it avoids and Redis refused it again (one round trip per
         held tenant for every release heard in the fleet). It still avoids a replica
-        then, whose timer (``_turn_over``) comes back here. True: let go."""
+        then, whose timer (``_turn_over``) comes back here. ``replica``: only a seat of
+        that one may have freed since (``_lift_turns``). True: let go."""
         models = self._turn_blocked.get(tenant)
-        if models is None or (self._turns.get(tenant) and not self._free_for(tenant, models)):
+        if models is None or (
+            self._turns.get(tenant) and not self._free_for(tenant, models, replica)
+        ):
             return False
         del self._turn_blocked[tenant]
         self.scheduler.set_blocked(tenant, self._at_cap(tenant))
         return True
 
-    def _free_for(self, tenant: str, models: set[str | None]) -> bool:
+    def _free_for(self, tenant: str, models: set[str | None], replica: str | None = None) -> bool:
         """A seat ``tenant`` does not avoid is free in one of ``models`` or of the pools
-        where it has tickets queued."""
+        where it has tickets queued; ``replica``: on that one (the only one whose seat
+        may have freed: every release asks, for every held tenant, so it must be cheap)."""
         avoid = self._avoided(tenant)
+        if replica is not None:
+            one = self.pool.get(replica)
+            if one is None or not one.has_free_seat or one.name in avoid:
+                return False
         waits = {m for m in self.scheduler.waiting_models() if self.scheduler.of(m).depth(tenant)}
-        return any(self.seats.free(m, avoid=avoid) is not None for m in models | waits)
+        if replica is None:
+            return any(self.seats.free(m, avoid=avoid) is not None for m in models | waits)
+        return any(
+            (members := self.seats.members(m)) is None or replica in members for m in models | waits
+        )
 
     def freed(self, kind: PlaceKind | None, name: str | None) -> None:
         """A shared place may have freed (``kind`` ``name``; None: any): try again now."""
