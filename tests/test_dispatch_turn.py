@@ -20,6 +20,7 @@ import pytest
 from proxy.admitted import Deadline
 from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.models import ModelTable
 from proxy.replicas import Replica, ReplicaPool, Seat
 from proxy.scheduler import FairScheduler, Ticket
 from proxy.settings import BudgetsConfig, ReplicaConfig, StateConfig
@@ -362,3 +363,38 @@ async def test_a_request_of_a_held_tenant_ending_keeps_it_held_until_its_seat_is
     second_seat = await asyncio.wait_for(a_waiter, 10)
     assert second_seat.replica.name == "r1" and asked == [KEYS.seats("r0"), KEYS.seats("r1")]
     d.finish(second, second_seat)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2, "r1": 1}], indirect=True)
+async def test_a_tenant_held_in_one_model_pool_takes_a_seat_freed_in_another(
+    setup: Setup,
+) -> None:
+    """r0 serves model m, r1 model n. a is refused its turn on r0 (c, weight 2, waits there
+    elsewhere) and held: the block is tenant-wide, so its ticket for n, queued behind its
+    own request on r1, is held too. That request ending frees r1's seat: a goes back in
+    the scheduler for it at once (a release that cannot seat a leaves it held; this one
+    can, in a pool where it waits), not at its retry time."""
+    d = setup.d
+    d.seats.models = ModelTable({"r0": ("m",), "r1": ("n",)}, {})
+
+    def enqueue(model: str) -> Ticket:
+        deadline = Deadline.start(setup.clock.now(), BUDGETS)
+        return d.enqueue_in(model, "a", "standard", 10.0, deadline)
+
+    first_n = enqueue("n")
+    first_n_seat = await d.wait(first_n)
+    x = [await setup.elsewhere("x", "r0", 2) for _ in range(2)]
+    assert isinstance(await setup.elsewhere("c", "r0", 2, weight=2.0), Full)
+    x_first = x[0]
+    assert isinstance(x_first, Lease) and await setup.other.release(x_first)
+    on_m = enqueue("m")
+    m_waiter = asyncio.create_task(d.wait(on_m))
+    await wait_for(lambda: on_m.seat is None and "a" in d._turn_blocked)
+    on_n = enqueue("n")
+    n_waiter = asyncio.create_task(d.wait(on_n))
+    assert on_n.seat is None
+    d.finish(first_n, first_n_seat)
+    n_seat = await asyncio.wait_for(n_waiter, 10)
+    assert n_seat.replica.name == "r1" and n_seat.lease is not None
+    d.finish(on_n, n_seat)
+    await _leave(on_m, m_waiter)
