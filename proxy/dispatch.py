@@ -818,7 +818,10 @@ class Dispatcher:
         """A seat above the knee for a tenant below its fair share with nothing queued.
 
         Its own queue must be empty (its tickets keep their order) and it must
-        be under its own cap; everyone else waits for a regular seat.
+        be under its own cap; everyone else waits for a regular seat. Never on a
+        replica that just refused it its fair turn (``_turn_refused``): its knee has a
+        free seat, another tenant's turn, and a headroom seat, taken outside the turn,
+        would fill it.
         """
         if (
             not self.pool.offers_headroom()
@@ -827,7 +830,7 @@ class Dispatcher:
             or not self.below_fair_share(tenant, priority, now, model)
         ):
             return None
-        return self.seats.free(model, headroom=True)
+        return self.seats.free(model, headroom=True, avoid=self._avoided(tenant))
 
     # -- observe mode ------------------------------------------------------------------
 

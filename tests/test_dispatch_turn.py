@@ -398,3 +398,40 @@ async def test_a_tenant_held_in_one_model_pool_takes_a_seat_freed_in_another(
     assert n_seat.replica.name == "r1" and n_seat.lease is not None
     d.finish(on_n, n_seat)
     await _leave(on_m, m_waiter)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2, "r1": 4}], indirect=True)
+async def test_a_headroom_seat_is_not_taken_where_the_tenant_was_refused_its_turn(
+    setup: Setup,
+) -> None:
+    """r0 (2 seats, 2 of headroom): x holds 1 elsewhere, c (weight 2) waits there for the
+    free one. r1 (4 seats): b holds 1 here, y 3 elsewhere, so it is full. a is refused its
+    turn on r0, goes to r1, finds it full, and, below its fair share, takes a headroom seat
+    instead: not on r0, whose knee has a free seat that is c's turn (the headroom seat is
+    taken outside the turn and filled the knee: c would then find r0 full)."""
+    d = setup.d
+    r0 = d.pool.get("r0")
+    assert r0 is not None
+    r0.headroom = 2
+    r0.saturated = True  # b's seat goes to r1
+    b = setup.enqueue("b")
+    b_seat = await d.wait(b)
+    assert b_seat.replica.name == "r1"
+    r0.saturated = False
+    y = [await setup.elsewhere("y", "r1", 4) for _ in range(3)]
+    assert all(isinstance(lease, Lease) for lease in y)
+    x = [await setup.elsewhere("x", "r0", 2) for _ in range(2)]
+    assert isinstance(await setup.elsewhere("c", "r0", 2, weight=2.0), Full)
+    x_first = x[0]
+    assert isinstance(x_first, Lease) and await setup.other.release(x_first)
+    a = setup.enqueue("a")
+    assert a.seat is not None and a.seat.replica.name == "r0"  # the least loaded
+    a_waiter = asyncio.create_task(d.wait(a))
+    await wait_for(lambda: a_waiter.done() or (a.seat is None and d.scheduler.depth("a") == 1))
+    assert await setup.here.held(KEYS.seats("r0")) == 1, "a took a headroom seat of r0"
+    assert isinstance(await setup.elsewhere("c", "r0", 2, weight=2.0), Lease)  # c's turn
+    if a_waiter.done():
+        d.finish(a, a_waiter.result())
+    else:
+        await _leave(a, a_waiter)
+    d.finish(b, b_seat)
