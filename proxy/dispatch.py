@@ -118,9 +118,10 @@ class Dispatcher:
         #: retry time; each (tenant, replica) has its timer.
         self._turns: dict[str, set[ReplicaName]] = {}
         self._turn_timers: dict[tuple[str, ReplicaName], asyncio.TimerHandle] = {}
-        #: Of those, the tenants with no other free seat: blocked in the scheduler until
-        #: a seat may have freed (``_lift_turns``) or a retry time (``_turn_over``).
-        self._turn_blocked: set[str] = set()
+        #: Of those, the tenants with no other free seat (in the pools named): blocked in
+        #: the scheduler until a seat may have freed for them (``_lift_turns``) or a retry
+        #: time (``_turn_over``).
+        self._turn_blocked: dict[str, set[str | None]] = {}
 
     # -- configuration -----------------------------------------------------------------
 
@@ -128,7 +129,7 @@ class Dispatcher:
         """New caps and capacities apply at once; nothing queued is evicted."""
         self._limits = dict(limits)
         for tenant in set(self._inflight) | set(self._limits):
-            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+            self.scheduler.set_blocked(tenant, self._held_back(tenant))
         self.pump()
 
     def set_observing(self, observing: bool) -> None:
@@ -366,6 +367,8 @@ class Dispatcher:
             and self._headroom_instead(ticket)
         ):
             return False  # ``wait`` takes its headroom seat's shared places next
+        if answer.kind == "replica" and not answer.turn:
+            self._hold_if_avoiding(ticket)  # the seat it took instead was full elsewhere
         self._requeue(ticket)
         return False
 
@@ -394,12 +397,13 @@ class Dispatcher:
         self._inflight[ticket.tenant] -= 1
         if not self._inflight[ticket.tenant]:
             del self._inflight[ticket.tenant]
-        if not self._at_cap(ticket.tenant):
+        if not self._held_back(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, False)
         ticket.seat, ticket.granted_at = None, None
         seat.released = True
         self.seats.affinity.ended(seat, warmed=False)
         self.pool.free(seat.replica)
+        self._unhold(ticket.tenant)  # the seat is back: maybe one it does not avoid
 
     def _requeue(self, ticket: Ticket) -> None:
         """Back in its queue (or its refusal raised): its pop's charge refunded."""
@@ -466,9 +470,17 @@ class Dispatcher:
             self._turn_timers[(tenant, replica)] = loop.call_at(
                 when, self._turn_over, tenant, replica
             )
-        if self.seats.free(ticket.model, avoid=frozenset(turns)) is None:
-            self._turn_blocked.add(tenant)
-            self.scheduler.set_blocked(tenant, True)
+        self._hold_if_avoiding(ticket)
+
+    def _hold_if_avoiding(self, ticket: Ticket) -> None:
+        """Block ``ticket``'s tenant in the scheduler while the only free seats of its
+        pool are on replicas that refused it its turn: the pump would hand it one, and
+        Redis refuse it again. Only a tenant with such a replica (and so a timer that
+        lifts the block) is blocked."""
+        turns = self._turns.get(ticket.tenant)
+        if turns and self.seats.free(ticket.model, avoid=frozenset(turns)) is None:
+            self._turn_blocked.setdefault(ticket.tenant, set()).add(ticket.model)
+            self.scheduler.set_blocked(ticket.tenant, True)
 
     def _turn_over(self, tenant: str, replica: ReplicaName) -> None:
         """A turn refusal's retry time: the tenant asks that replica again."""
@@ -478,16 +490,14 @@ class Dispatcher:
             turns.discard(replica)
             if not turns:
                 del self._turns[tenant]
-        if tenant in self._turn_blocked:
-            self._turn_blocked.discard(tenant)
-            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+        self._unhold(tenant)
         self.pump()
 
     def _lift_turns(self, replica: str | None) -> bool:
         """A seat of ``replica`` (None: of any) may have freed: the turns refused there
-        are asked again, and every tenant blocked for want of another seat goes back in
-        the scheduler (a seat may be free for it now; refused again, it is blocked
-        again). Returns whether anything changed."""
+        are asked again, and each tenant held for want of another seat is let go where
+        ``_unhold`` says (refused again, it is held again). Called once the seat is back
+        in the local pool. Returns whether anything changed."""
         changed = False
         for (tenant, name), timer in list(self._turn_timers.items()):
             if replica is None or name == replica:
@@ -499,10 +509,42 @@ class Dispatcher:
                     if not turns:
                         del self._turns[tenant]
                 changed = True
-        blocked, self._turn_blocked = self._turn_blocked, set()
-        for tenant in blocked:
-            self.scheduler.set_blocked(tenant, self._at_cap(tenant))
-        return changed or bool(blocked)
+        for tenant in list(self._turn_blocked):
+            changed = self._unhold(tenant, replica) or changed
+        return changed
+
+    def _unhold(self, tenant: str, replica: str | None = None) -> bool:
+        """Let a tenant held by ``_hold_if_avoiding`` go back in the scheduler when it
+        avoids nothing any more or a seat it does not avoid is free now, in the pool it
+        was held for or one where it waits. Otherwise it stays held: let go, the pump
+        handed it the free seat it avoids and Redis refused it again (one round trip per
+        held tenant for every release heard in the fleet). It still avoids a replica
+        then, whose timer (``_turn_over``) comes back here. ``replica``: only a seat of
+        that one may have freed since (``_lift_turns``). True: let go."""
+        models = self._turn_blocked.get(tenant)
+        if models is None or (
+            self._turns.get(tenant) and not self._free_for(tenant, models, replica)
+        ):
+            return False
+        del self._turn_blocked[tenant]
+        self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+        return True
+
+    def _free_for(self, tenant: str, models: set[str | None], replica: str | None = None) -> bool:
+        """A seat ``tenant`` does not avoid is free in one of ``models`` or of the pools
+        where it has tickets queued; ``replica``: on that one (the only one whose seat
+        may have freed: every release asks, for every held tenant, so it must be cheap)."""
+        avoid = self._avoided(tenant)
+        if replica is not None:
+            one = self.pool.get(replica)
+            if one is None or not one.has_free_seat or one.name in avoid:
+                return False
+        waits = {m for m in self.scheduler.waiting_models() if self.scheduler.of(m).depth(tenant)}
+        if replica is None:
+            return any(self.seats.free(m, avoid=avoid) is not None for m in models | waits)
+        return any(
+            (members := self.seats.members(m)) is None or replica in members for m in models | waits
+        )
 
     def freed(self, kind: PlaceKind | None, name: str | None) -> None:
         """A shared place may have freed (``kind`` ``name``; None: any): try again now."""
@@ -511,7 +553,7 @@ class Dispatcher:
             tenants = set(self._shared_blocked) if name is None else {name}
             for tenant in tenants & self._shared_blocked:
                 self._shared_blocked.discard(tenant)
-                self.scheduler.set_blocked(tenant, self._at_cap(tenant))
+                self.scheduler.set_blocked(tenant, self._held_back(tenant))
                 changed = True
         if kind is None or kind == "replica":
             for replica in self.pool.replicas:
@@ -549,8 +591,9 @@ class Dispatcher:
             self.shared.give_back(lease)
             # This process may reuse the seat it frees.
             replica.shared_full = replica.shared_headroom_full = False
-            self._lift_turns(replica.name)
         self.pool.free(replica)
+        if lease is not None and self.shared is not None:
+            self._lift_turns(replica.name)  # the seat is back: free for a held tenant
         self.pump()
 
     def finish(
@@ -574,7 +617,7 @@ class Dispatcher:
             self.shared.give_back(ticket.place)
             ticket.place = None
             self._shared_blocked.discard(ticket.tenant)
-        if not self._at_cap(ticket.tenant):
+        if not self._held_back(ticket.tenant):
             self.scheduler.set_blocked(ticket.tenant, False)
         self.scheduler.finished(ticket, ticket.cost if actual_cost is None else actual_cost)
         if seat is not None and not (seat.released or seat_grace_s > 0):
@@ -660,7 +703,7 @@ class Dispatcher:
         self._closed = admission.shutting_down()
         # Every blocked tenant: at its cap here, held off by its cap elsewhere
         # (shared state, maybe nothing in flight here) or by a fair turn refused.
-        for tenant in set(self._inflight) | self._shared_blocked | self._turn_blocked:
+        for tenant in set(self._inflight) | self._shared_blocked | set(self._turn_blocked):
             self.scheduler.set_blocked(tenant, False)
         while (ticket := self.scheduler.pop()) is not None:
             self._fail(ticket, self._closed)
@@ -750,6 +793,12 @@ class Dispatcher:
             return False
         return self._inflight.get(tenant, 0) >= cap or tenant in self._shared_blocked
 
+    def _held_back(self, tenant: str) -> bool:
+        """Blocked in the scheduler: at its cap (``_at_cap``), or held for want of a seat
+        it does not avoid (``_hold_if_avoiding``, let go only by ``_unhold``: a place
+        coming back does not give it a seat)."""
+        return self._at_cap(tenant) or tenant in self._turn_blocked
+
     def _replica_for_immediate_start(
         self, tenant: str, model: str | None, affinity: int | None, cost: float
     ) -> Replica | None:
@@ -769,7 +818,10 @@ class Dispatcher:
         """A seat above the knee for a tenant below its fair share with nothing queued.
 
         Its own queue must be empty (its tickets keep their order) and it must
-        be under its own cap; everyone else waits for a regular seat.
+        be under its own cap; everyone else waits for a regular seat. Never on a
+        replica that just refused it its fair turn (``_turn_refused``): its knee has a
+        free seat, another tenant's turn, and a headroom seat, taken outside the turn,
+        would fill it.
         """
         if (
             not self.pool.offers_headroom()
@@ -778,7 +830,7 @@ class Dispatcher:
             or not self.below_fair_share(tenant, priority, now, model)
         ):
             return None
-        return self.seats.free(model, headroom=True)
+        return self.seats.free(model, headroom=True, avoid=self._avoided(tenant))
 
     # -- observe mode ------------------------------------------------------------------
 

@@ -202,7 +202,11 @@ class AffinityRouter:
         members: frozenset[str] | None,
         key: AffinityKey,
         cost: float = 1.0,
+        avoid: frozenset[ReplicaName] = frozenset(),
     ) -> Replica | None:
+        """The replica on the ring for ``key`` (None: none eligible). ``avoid``: replicas
+        not eligible (they just refused the tenant its fair turn): the key walks on to
+        the next on the ring, as when its home has no free seat."""
         fleet = list(replicas)
         by_name: dict[str, Replica] = {
             r.name: r for r in fleet if members is None or r.name in members
@@ -221,7 +225,9 @@ class AffinityRouter:
         chosen = ring.choose(
             key,
             load,
-            eligible=lambda name: name in by_name and by_name[name].has_free_seat,
+            eligible=lambda name: (
+                name in by_name and by_name[name].has_free_seat and name not in avoid
+            ),
             max_load_factor=self.max_load_factor,
             work=lambda name: ledger.work(key, cost, name),
         )
@@ -286,8 +292,10 @@ class PoolSeats:
         is free."""
         members = self.members(model)
         if affinity is not None:
-            replica = self.affinity.choose(self.pool.replicas, members, AffinityKey(affinity), cost)
-            if replica is not None and replica.name not in avoid:
+            replica = self.affinity.choose(
+                self.pool.replicas, members, AffinityKey(affinity), cost, avoid
+            )
+            if replica is not None:
                 return replica
         return self.pool.choose(avoid, among=members)
 

@@ -32,7 +32,7 @@ from proxy.affinity import AffinityKey, HashRing
 from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
 from proxy.models import ModelTable
-from proxy.pools import AffinityRouter
+from proxy.pools import AffinityRouter, PoolSeats
 from proxy.replicas import Replica, ReplicaName, ReplicaPool
 from proxy.runtime import Rules
 from proxy.scheduler import FairScheduler, Ticket
@@ -1289,3 +1289,29 @@ async def test_without_pools_any_route_is_forwarded_byte_for_byte(
         (route, body) for route in ("/v1/rerank", "/completion", "/tokenize") for body, _ in bodies
     ]
     proxy.assert_idle()
+
+
+def test_a_replica_that_refused_the_turn_sends_the_key_next_on_the_ring() -> None:
+    """A key's home refused its tenant the fair turn (shared state): the key goes where
+    the ring sends it when its home has no seat, the next replica within the bound, where
+    its spills went and its prefix may be cached, not to whichever is least loaded."""
+    pool = ReplicaPool(
+        [
+            Replica(ReplicaConfig(name=f"r{i}", url="http://127.0.0.1:1", max_concurrency=4))
+            for i in range(4)
+        ],
+        rng=random.Random(3),
+    )
+    seats = PoolSeats(pool)
+    key = 0x5EED
+    walk = list(HashRing(r.name for r in pool.replicas).walk(AffinityKey(key)))
+    by_name = {r.name: r for r in pool.replicas}
+    home, second, third, _last = (by_name[ReplicaName(name)] for name in walk)
+    second.inflight = third.inflight = 1  # the last is the least loaded
+    home.inflight = home.limit
+    spilled = seats.choose(None, key)
+    assert spilled is second  # the ring's choice with the home full
+    home.inflight = 0
+    chosen = seats.choose(None, key, avoid=frozenset({home.name}))
+    assert chosen is second, f"{chosen} instead of the ring's next, {second}"
+    assert seats.choose(None, key) is home  # nothing avoided: home
