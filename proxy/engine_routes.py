@@ -70,10 +70,25 @@ def output_limit(doc: Any) -> int | None:
 def sequences(doc: dict[str, Any]) -> int:
     """How many sequences the engine generates for one request: OpenAI's ``n``,
     vLLM's ``best_of`` (it generates that many and returns ``n``), TGI's
-    ``parameters.best_of``, SGLang's ``sampling_params.n``. At least 1."""
+    ``parameters.best_of``, SGLang's ``sampling_params.n`` (the largest, at
+    least 1), for each prompt of a batch (``prompts``)."""
     counts = [_positive(doc.get("n")), _positive(doc.get("best_of"))]
     for nested, key in (("parameters", "best_of"), ("sampling_params", "n")):
         params = doc.get(nested)
         if isinstance(params, dict):
             counts.append(_positive(params.get(key)))
-    return max([1, *(count for count in counts if count is not None)])
+    return max([1, *(count for count in counts if count is not None)]) * prompts(doc)
+
+
+def prompts(doc: dict[str, Any]) -> int:
+    """How many prompts one request carries: a batch is a list of them in
+    ``prompt`` (OpenAI and llama.cpp completions), SGLang's ``text`` or
+    ``input_ids``; each is answered with its own output. A list that holds a
+    number at its top is one prompt (token ids, or llama.cpp's mix of token
+    ids and text), as the engines read it. At least 1."""
+    for key in ("prompt", "text", "input_ids"):
+        given = doc.get(key)
+        if isinstance(given, list) and given:
+            single = any(isinstance(item, int) for item in given)
+            return 1 if single else len(given)
+    return 1
