@@ -5,7 +5,7 @@ read line by line because a chunk boundary can fall anywhere. TTFT is the
 first ``data:`` event with non-empty ``delta.content``, ``reasoning_content``,
 ``tool_calls``, completion ``text``, TGI ``token.text``, llama.cpp's own
 ``content`` or SGLang's ``text`` (both at the top of an event without
-``choices``): not the first byte, not a role-only delta, not a ``:``
+``choices`` or ``type``): not the first byte, not a role-only delta, not a ``:``
 keep-alive comment (docs/REFERENCE.md).
 
 Only events before the first token and events that carry ``usage`` are
@@ -38,6 +38,10 @@ def has_token(event: Any) -> bool:
     choices = event.get("choices")
     if choices is None:
         # llama.cpp's own API streams ``content``; SGLang's ``/generate`` the text so far.
+        # A typed event is another API's (OpenAI's Responses ends its text with a
+        # ``response.output_text.done`` that holds all of it): not a first token.
+        if "type" in event:
+            return False
         content, text = event.get("content"), event.get("text")
         return (isinstance(content, str) and content != "") or (
             isinstance(text, str) and text != ""

@@ -118,3 +118,21 @@ def test_every_split_of_a_stream_meters_the_same(
     assert _metered([stream[i : i + 1] for i in range(len(stream))]) == expected
     for seed in range(20):
         assert _metered(_splits(stream, seed)) == expected
+
+
+def test_a_responses_stream_has_no_first_token_at_its_end() -> None:
+    """OpenAI's Responses API (llama-server, vLLM and SGLang serve ``/v1/responses``):
+    its deltas are not read as tokens, and its closing ``response.output_text.done``,
+    which holds the whole text at the top of the event, is no first token either
+    (its time is the whole answer's, not the time to first token)."""
+    events = [
+        _event({"type": "response.created", "response": {"status": "in_progress"}}),
+        _event({"type": "response.output_text.delta", "item_id": "m", "delta": "Hi"}),
+        _event({"type": "response.output_text.done", "item_id": "m", "text": "Hi there"}),
+        _event({"type": "response.completed", "response": {"status": "completed"}}),
+    ]
+    meter = SseMeter()
+    for at, event in enumerate(events):
+        meter.feed(event, float(at))
+    meter.finish()
+    assert (meter.first_token_at, meter.content_events) == (None, 0)
