@@ -63,7 +63,7 @@ BATCH = [
                 "tokens_evaluated": 3 + i,
                 "timings": {"predicted_n": 3},
             }
-        )  # fmt: skip
+        )
         for i in (0, 1)
     ),
     b"data: [DONE]\n\n",
