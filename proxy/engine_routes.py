@@ -46,25 +46,42 @@ def _positive(value: Any) -> int | None:
 
 
 def output_limit(doc: Any) -> int | None:
-    """The most tokens the request may generate, by the field its API names it with.
+    """The most tokens the request may generate, by the fields its API names it with.
 
     OpenAI's ``max_tokens`` / ``max_completion_tokens``, TGI's
     ``parameters.max_new_tokens``, SGLang's ``sampling_params.max_new_tokens``,
-    llama.cpp's ``n_predict`` (-1, its "until the end", counts as none);
-    times the sequences it asks for (``sequences``). None when it names no
-    limit: the caller then uses the tenant's recent mean output, which
-    already counts the choices such a tenant asks for.
+    llama.cpp's ``n_predict`` (-1, its "until the end", counts as none); the
+    largest when several are given, since engines differ in which one wins
+    (llama.cpp takes ``n_predict`` over ``max_tokens``, on every route): a
+    ``max_tokens`` of 1 beside an ``n_predict`` of thousands was charged 1.
+    Times the sequences it asks for (``sequences``). SGLang's list of
+    ``sampling_params`` (one per prompt of a batch) is summed. None when it
+    names no limit: the caller then uses the tenant's recent mean output,
+    which already counts the choices such a tenant asks for.
     """
     if not isinstance(doc, dict):
         return None
-    output = _positive(doc.get("max_tokens")) or _positive(doc.get("max_completion_tokens"))
-    for nested in ("parameters", "sampling_params"):
-        params = doc.get(nested)
-        if output is None and isinstance(params, dict):
-            output = _positive(params.get("max_new_tokens"))
-    if output is None:
-        output = _positive(doc.get("n_predict"))
-    return None if output is None else output * sequences(doc)
+    sampling = doc.get("sampling_params")
+    if isinstance(sampling, list):
+        return _per_prompt(sampling)
+    named = [doc.get("max_tokens"), doc.get("max_completion_tokens"), doc.get("n_predict")]
+    for params in (doc.get("parameters"), sampling):
+        if isinstance(params, dict):
+            named.append(params.get("max_new_tokens"))
+    limits = [limit for value in named if (limit := _positive(value)) is not None]
+    return max(limits) * sequences(doc) if limits else None
+
+
+def _per_prompt(sampling: list[Any]) -> int | None:
+    """SGLang's batch with its own ``sampling_params`` per prompt: the sum of each
+    one's ``max_new_tokens`` times its ``n``; None unless each names a limit."""
+    total = 0
+    for params in sampling:
+        limit = _positive(params.get("max_new_tokens")) if isinstance(params, dict) else None
+        if limit is None:
+            return None
+        total += limit * (_positive(params.get("n")) or 1)
+    return total or None
 
 
 def sequences(doc: dict[str, Any]) -> int:

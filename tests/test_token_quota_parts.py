@@ -72,6 +72,20 @@ def test_request_headers_from_the_bucket() -> None:
         ({"parameters": {"max_new_tokens": 5, "best_of": 2}}, 256, "completion", 10),  # TGI
         ({"sampling_params": {"max_new_tokens": 5, "n": 3}}, 256, "completion", 15),  # SGLang
         ({"n": 4}, 12, "completion", 12),  # no limit: the mean already counts the choices
+        # several limits: the largest (llama.cpp takes n_predict over max_tokens)
+        ({"max_tokens": 1, "n_predict": 50}, 256, "completion", 50),
+        ({"max_tokens": 9, "n_predict": -1}, 256, "completion", 9),
+        # SGLang's batch with sampling_params per prompt: each one's limit times its n
+        (
+            {
+                "text": ["a", "b"],
+                "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 5, "n": 2}],
+            },
+            256,
+            "completion",
+            13,
+        ),
+        ({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 3}, {}]}, 7, "completion", 7),
         # a batch: one answer per prompt of the list (a list holding a number is one prompt)
         ({"prompt": ["a", "b", "c"], "n_predict": 4}, 256, "completion", 12),  # llama.cpp
         ({"prompt": [[1, 2], [3]], "max_tokens": 4, "n": 2}, 256, "completion", 16),  # OpenAI
