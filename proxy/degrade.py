@@ -18,7 +18,8 @@ Which field carries the limit:
 - OpenAI completions (``/v1/completions``): ``max_tokens``;
 - TGI (``/generate``, ``/generate_stream``): ``parameters.max_new_tokens``;
   SGLang's ``/generate`` (a body with ``text`` or ``input_ids`` and no
-  ``inputs``): ``sampling_params.max_new_tokens``;
+  ``inputs``): ``sampling_params.max_new_tokens`` (of each, when it is a
+  list: one per prompt of a batch);
 - llama.cpp's own API (``/completion``, ``/completions``, ``/infill``):
   ``n_predict`` (its -1, "until the end", counts as absent).
 
@@ -73,10 +74,22 @@ def cap_max_tokens(doc: dict[str, Any], route: str, cap: int) -> dict[str, Any] 
 
 
 def _capped_in(doc: dict[str, Any], nested: str, cap: int) -> dict[str, Any] | None:
-    """``doc`` with ``<nested>.max_new_tokens`` at most ``cap`` (TGI's and SGLang's field)."""
+    """``doc`` with ``<nested>.max_new_tokens`` at most ``cap`` (TGI's and SGLang's field).
+
+    SGLang takes a list of ``sampling_params`` too, one per prompt of a batch:
+    each is capped and keeps its other parameters."""
     params = doc.get(nested)
-    params = params if isinstance(params, dict) else {}
+    if isinstance(params, list) and params and all(isinstance(p, dict) for p in params):
+        capped = [_params_capped(p, cap) for p in params]
+        if all(c is None for c in capped):
+            return None
+        return {**doc, nested: [p if c is None else c for p, c in zip(params, capped, strict=True)]}
+    capped_one = _params_capped(params if isinstance(params, dict) else {}, cap)
+    return None if capped_one is None else {**doc, nested: capped_one}
+
+
+def _params_capped(params: dict[str, Any], cap: int) -> dict[str, Any] | None:
     given = params.get("max_new_tokens")
     if given is not None and not _lowered(given, cap):
         return None
-    return {**doc, nested: {**params, "max_new_tokens": cap}}
+    return {**params, "max_new_tokens": cap}

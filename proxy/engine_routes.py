@@ -46,34 +46,66 @@ def _positive(value: Any) -> int | None:
 
 
 def output_limit(doc: Any) -> int | None:
-    """The most tokens the request may generate, by the field its API names it with.
+    """The most tokens the request may generate, by the fields its API names it with.
 
     OpenAI's ``max_tokens`` / ``max_completion_tokens``, TGI's
     ``parameters.max_new_tokens``, SGLang's ``sampling_params.max_new_tokens``,
-    llama.cpp's ``n_predict`` (-1, its "until the end", counts as none);
-    times the sequences it asks for (``sequences``). None when it names no
-    limit: the caller then uses the tenant's recent mean output, which
-    already counts the choices such a tenant asks for.
+    llama.cpp's ``n_predict`` (-1, its "until the end", counts as none); the
+    largest when several are given, since engines differ in which one wins
+    (llama.cpp takes ``n_predict`` over ``max_tokens``, on every route): a
+    ``max_tokens`` of 1 beside an ``n_predict`` of thousands was charged 1.
+    Times the sequences it asks for (``sequences``). SGLang's list of
+    ``sampling_params`` (one per prompt of a batch) is summed. None when it
+    names no limit: the caller then uses the tenant's recent mean output,
+    which already counts the choices such a tenant asks for.
     """
     if not isinstance(doc, dict):
         return None
-    output = _positive(doc.get("max_tokens")) or _positive(doc.get("max_completion_tokens"))
-    for nested in ("parameters", "sampling_params"):
-        params = doc.get(nested)
-        if output is None and isinstance(params, dict):
-            output = _positive(params.get("max_new_tokens"))
-    if output is None:
-        output = _positive(doc.get("n_predict"))
-    return None if output is None else output * sequences(doc)
+    sampling = doc.get("sampling_params")
+    if isinstance(sampling, list):
+        return _per_prompt(sampling)
+    named = [doc.get("max_tokens"), doc.get("max_completion_tokens"), doc.get("n_predict")]
+    for params in (doc.get("parameters"), sampling):
+        if isinstance(params, dict):
+            named.append(params.get("max_new_tokens"))
+    limits = [limit for value in named if (limit := _positive(value)) is not None]
+    return max(limits) * sequences(doc) if limits else None
+
+
+def _per_prompt(sampling: list[Any]) -> int | None:
+    """SGLang's batch with its own ``sampling_params`` per prompt: the sum of each
+    one's ``max_new_tokens`` times its ``n``; None unless each names a limit."""
+    total = 0
+    for params in sampling:
+        limit = _positive(params.get("max_new_tokens")) if isinstance(params, dict) else None
+        if limit is None:
+            return None
+        total += limit * (_positive(params.get("n")) or 1)
+    return total or None
 
 
 def sequences(doc: dict[str, Any]) -> int:
     """How many sequences the engine generates for one request: OpenAI's ``n``,
     vLLM's ``best_of`` (it generates that many and returns ``n``), TGI's
-    ``parameters.best_of``, SGLang's ``sampling_params.n``. At least 1."""
+    ``parameters.best_of``, SGLang's ``sampling_params.n`` (the largest, at
+    least 1), for each prompt of a batch (``prompts``)."""
     counts = [_positive(doc.get("n")), _positive(doc.get("best_of"))]
     for nested, key in (("parameters", "best_of"), ("sampling_params", "n")):
         params = doc.get(nested)
         if isinstance(params, dict):
             counts.append(_positive(params.get(key)))
-    return max([1, *(count for count in counts if count is not None)])
+    return max([1, *(count for count in counts if count is not None)]) * prompts(doc)
+
+
+def prompts(doc: dict[str, Any]) -> int:
+    """How many prompts one request carries: a batch is a list of them in
+    ``prompt`` (OpenAI and llama.cpp completions), SGLang's ``text`` or
+    ``input_ids``; each is answered with its own output. A list that holds a
+    number at its top is one prompt (token ids, or llama.cpp's mix of token
+    ids and text), as the engines read it. At least 1."""
+    for key in ("prompt", "text", "input_ids"):
+        given = doc.get(key)
+        if isinstance(given, list) and given:
+            single = any(isinstance(item, int) for item in given)
+            return 1 if single else len(given)
+    return 1

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.degrade import DEGRADED_HEADER
+from proxy.engine_routes import METERED_PATHS, route_of
 from proxy.errors import (
     ModelNotFound,
     NoHealthyReplica,
@@ -341,6 +342,11 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
         body=admitted.body,
         streaming=admitted.streaming,
         # Inference routes are safe to repeat before the first byte (docs/REFERENCE.md,
-        # retry classes), and so are safe methods anywhere (RFC 9110 section 9.2.1).
-        resend_on_stale=admitted.inference or request.method in SAFE_METHODS,
+        # retry classes), and so are safe methods anywhere (RFC 9110 section 9.2.1),
+        # and every route where an engine only computes (llama.cpp's own
+        # ``/completion``, embeddings, reranking): llama-server drops the kept-alive
+        # connection after each of its streams there too.
+        resend_on_stale=admitted.inference
+        or request.method in SAFE_METHODS
+        or route_of(admitted.path_qs.partition("?")[0]) in METERED_PATHS,
     )

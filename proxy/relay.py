@@ -29,6 +29,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.admitted import Deadline
+from proxy.batch_usage import BatchUsage, is_batch
 from proxy.clock import Clock
 from proxy.errors import ProxyError, TotalTimeout
 from proxy.record import RequestRecord
@@ -141,7 +142,7 @@ def relay_whole(
     body = committed.first_chunk + content.read_nowait()
     committed.close()
     relayed.upstream_done = True
-    if len(body) <= USAGE_SCAN_LIMIT:  # nearly always: no copy
+    if len(body) <= USAGE_SCAN_LIMIT or is_batch(body):  # nearly always: no copy
         prompt, completion = usage_from_body(body)
     else:
         prompt, completion = _usage(body[:USAGE_SCAN_LIMIT], body[-USAGE_TAIL:])
@@ -183,6 +184,8 @@ async def relay(
     meter = SseMeter() if is_sse else None
     kept = bytearray() if not is_sse else None
     tail = bytearray()  # a non-SSE answer's last bytes, once it outgrew ``kept``
+    # A batch answer's counts are spread over all of it: summed as it passes.
+    batch = BatchUsage() if kept is not None and is_batch(committed.first_chunk) else None
     strip = UsageStripper() if strip_usage and is_sse else None
     if strip is not None:
         headers.popall("Content-Length", None)  # the client gets fewer bytes
@@ -201,6 +204,8 @@ async def relay(
                 meter.feed(chunk, clock.now() if meter.first_token_at is None else 0.0)
                 if meter.done:
                     relayed.upstream_done = True
+            elif batch is not None:
+                batch.feed(chunk)
             elif kept is not None:
                 if not tail and len(kept) + len(chunk) <= USAGE_SCAN_LIMIT:
                     kept += chunk  # the head, contiguous
@@ -254,8 +259,10 @@ async def relay(
             record.first_token_at = meter.first_token_at
             record.input_tokens = meter.input_tokens or record.input_tokens
             record.output_tokens = meter.output_tokens or meter.content_events or None
-        elif kept or tail:
-            prompt, completion = _usage(bytes(kept or b""), bytes(tail))
+        elif batch is not None or kept or tail:
+            prompt, completion = (
+                batch.finish() if batch is not None else _usage(bytes(kept or b""), bytes(tail))
+            )
             record.input_tokens = prompt or record.input_tokens
             record.output_tokens = completion or record.output_tokens
         relayed.input_tokens, relayed.output_tokens = record.input_tokens, record.output_tokens

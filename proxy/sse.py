@@ -5,7 +5,7 @@ read line by line because a chunk boundary can fall anywhere. TTFT is the
 first ``data:`` event with non-empty ``delta.content``, ``reasoning_content``,
 ``tool_calls``, completion ``text``, TGI ``token.text``, llama.cpp's own
 ``content`` or SGLang's ``text`` (both at the top of an event without
-``choices``): not the first byte, not a role-only delta, not a ``:``
+``choices`` or ``type``): not the first byte, not a role-only delta, not a ``:``
 keep-alive comment (docs/REFERENCE.md).
 
 Only events before the first token and events that carry ``usage`` are
@@ -22,6 +22,8 @@ import json
 import re
 from typing import Any
 
+from proxy.batch_usage import batch_usage, is_batch
+
 #: A line longer than this without a newline is not an SSE stream we can watch.
 MAX_LINE_BYTES = 1 << 20
 
@@ -36,6 +38,10 @@ def has_token(event: Any) -> bool:
     choices = event.get("choices")
     if choices is None:
         # llama.cpp's own API streams ``content``; SGLang's ``/generate`` the text so far.
+        # A typed event is another API's (OpenAI's Responses ends its text with a
+        # ``response.output_text.done`` that holds all of it): not a first token.
+        if "type" in event:
+            return False
         content, text = event.get("content"), event.get("text")
         return (isinstance(content, str) and content != "") or (
             isinstance(text, str) and text != ""
@@ -61,6 +67,7 @@ class SseMeter:
     __slots__ = (
         "_buffer",
         "_last",
+        "_lasts",
         "content_events",
         "done",
         "first_token_at",
@@ -71,6 +78,9 @@ class SseMeter:
     def __init__(self) -> None:
         self._buffer = b""
         self._last = b""
+        #: Of a stream of running counts, the last event of each answer (``index``):
+        #: a batch interleaves its prompts' answers, and each counts only its own.
+        self._lasts: dict[bytes, bytes] = {}
         self.first_token_at: float | None = None
         self.content_events = 0
         self.input_tokens: int | None = None
@@ -123,6 +133,8 @@ class SseMeter:
             event = json.loads(payload)
         except ValueError:
             return
+        if isinstance(event, dict) and ("tokens_predicted" in event or "meta_info" in event):
+            self._indexed(payload)
         if has_token(event):
             self.content_events += 1
             if self.first_token_at is None:
@@ -136,6 +148,13 @@ class SseMeter:
         elif payload:
             self.content_events += 1
             self._last = payload
+            if self._lasts:
+                self._indexed(payload)
+
+    def _indexed(self, payload: bytes) -> None:
+        """Keep ``payload`` as the last event of its answer (its ``index``)."""
+        match = _INDEX.search(payload)
+        self._lasts[match.group(1) if match else b""] = payload
 
     def _usage(self, event: Any) -> None:
         if not isinstance(event, dict):
@@ -161,6 +180,9 @@ class SseMeter:
         so only the last one is read, and only here."""
         if self.output_tokens is not None or not self._last:
             return
+        if len(self._lasts) > 1:
+            self._sum_answers()
+            return
         try:
             event = json.loads(self._last)
         except ValueError:
@@ -170,6 +192,24 @@ class SseMeter:
         self._usage(event)
         if self.output_tokens is None:
             self.input_tokens, self.output_tokens = engine_counts(event, self.input_tokens)
+
+    def _sum_answers(self) -> None:
+        """A batch's counts: the sum of each answer's last running counts."""
+        prompt = completion = 0
+        for payload in self._lasts.values():
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                given, generated = engine_counts(event, None)
+                prompt += given or 0
+                completion += generated or 0
+        self.input_tokens = prompt or self.input_tokens
+        self.output_tokens = completion
+
+
+_INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
 
 
 def engine_counts(event: dict[str, Any], prompt: int | None) -> tuple[int | None, int | None]:
@@ -204,8 +244,11 @@ def usage_from_body(body: bytes) -> tuple[int | None, int | None]:
 
     A scan for the fields instead of decoding the whole JSON document: the
     relay does this for every answer, and only these numbers matter. A name
-    in quotes cannot come from a string value, where quotes are escaped.
+    in quotes cannot come from a string value, where quotes are escaped. A
+    batch answer (a JSON array, one answer per prompt) counts all its answers.
     """
+    if is_batch(body):
+        return batch_usage(body)
     if b'"usage"' in body or b'"meta_info"' in body:
         prompt, completion = _PROMPT_TOKENS.search(body), _COMPLETION_TOKENS.search(body)
     elif b'"tokens_predicted"' in body:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy.settings import Config
 from tests.conftest import ProxyUnderTest
@@ -322,6 +323,27 @@ async def test_a_dropped_connection_is_not_resent_on_other_routes(
         await again.read()
     listing = await proxy.client.get("/v1/other", headers=AUTH)
     assert upstream_state.stale_hits == 2 and listing.status == 200
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
+    proxy.assert_idle()
+
+
+@pytest.mark.parametrize("path", ["/completion", "/embedding", "/v1/rerank"])
+async def test_a_dropped_connection_is_resent_on_engine_routes(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream, path: str
+) -> None:
+    """llama.cpp's own API and the embedding and rerank routes only compute, as the
+    inference routes do: a request that meets a kept-alive connection the replica
+    dropped (llama-server does after each of its streams, ``/completion``'s too) is
+    sent again on a new one, not failed with a 502; streams then ask for ``close``."""
+    proxy = await start_proxy(make_config([upstream_url], retry={"max_attempts": 1}))
+    stream = {"messages": [], "max_tokens": 2, "stream": True, "stale_after": True}
+    async with proxy.client.post(CHAT, json=stream, headers=AUTH) as first:
+        await first.read()
+    engine = await proxy.client.post(path, json={"prompt": "x", "n_predict": 2}, headers=AUTH)
+    assert engine.status == 200, await engine.text()
+    assert upstream_state.stale_hits == 1
+    replica = proxy.runtime.pool.replicas[0]
+    assert replica.failures == 0 and replica.drops_kept_alive
     await wait_for(lambda: proxy.runtime.pool.total_inflight() == 0)
     proxy.assert_idle()
 

@@ -55,6 +55,22 @@ CAP = 2
             {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "n": 2}},
         ),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, None),
+        # SGLang's batch: one sampling_params per prompt, each capped, none lost
+        (
+            "/generate",
+            {
+                "text": ["x", "y"],
+                "sampling_params": [{"max_new_tokens": 9, "temperature": 0}, {"stop": ["."]}],
+            },
+            {
+                "text": ["x", "y"],
+                "sampling_params": [
+                    {"max_new_tokens": 2, "temperature": 0},
+                    {"stop": ["."], "max_new_tokens": 2},
+                ],
+            },
+        ),
+        ("/generate", {"text": ["x"], "sampling_params": [{"max_new_tokens": 1}]}, None),
         # llama.cpp's own API: n_predict (-1 is "until the end")
         ("/completion", {"prompt": "x"}, {"prompt": "x", "n_predict": 2}),
         ("/completions", {"n_predict": -1}, {"n_predict": 2}),

@@ -44,9 +44,9 @@ def llama_one(
         yield servers
 
 
-def _config(servers: list[LlamaServer]) -> Any:
+def _config(servers: list[LlamaServer], quota: int = QUOTA) -> Any:
     replicas = [{"name": "r0", "url": servers[0].url, "max_concurrency": 2}]
-    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_day": QUOTA}}}
+    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_day": quota}}}
     return make_config([], replicas=replicas, tenants=tenants, health={"interval_ms": 100})
 
 
@@ -135,4 +135,40 @@ async def test_llama_cpp_native_completion_is_charged_what_llama_server_counts(
         assert (line["input_tokens"], line["output_tokens"]) == (last["tokens_evaluated"], 6)
         assert line["quota_actual_tokens"] == last["tokens_evaluated"] + 6
         left -= line["quota_actual_tokens"]
+    proxy.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "stream"),
+    [(3, False), (3, True), (200, False)],  # 200 answers: far past what a body's head keeps
+)
+async def test_llama_cpp_batch_completion_is_charged_every_answer(
+    start_proxy: Start, llama_one: list[LlamaServer], prompts: int, stream: bool
+) -> None:
+    """llama.cpp's ``/completion`` with a list of prompts answers each one (a JSON array,
+    or one stream interleaving them by ``index``): charged ``n_predict`` per prompt at
+    admission and settled to the sum of every answer's counts. It used to be charged
+    one prompt's output and settled to the first answer's counts alone."""
+    log = io.StringIO()
+    clock = FakeClock(start=1_796_140_800.0)
+    proxy = await start_proxy(_config(llama_one, 100_000), quota_clock=clock, access_log=log)
+    body = {"prompt": [f"wave {i}" for i in range(prompts)], "n_predict": 3, "ignore_eos": True,
+            "stream": stream}  # fmt: skip
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    async with proxy.client.post("/completion", json=body, headers=auth) as response:
+        assert response.status == 200
+        raw = await response.read()
+    await wait_for(lambda: not proxy.runtime.active, timeout_s=30)
+    if stream:
+        events = [json.loads(e.removeprefix(b"data: ")) for e in raw.strip().split(b"\n\n")]
+        answers = [e for e in events if isinstance(e, dict) and e.get("stop")]
+    else:
+        answers = json.loads(raw)
+    assert len(answers) == prompts
+    evaluated = sum(answer["tokens_evaluated"] for answer in answers)
+    assert sum(answer["tokens_predicted"] for answer in answers) == 3 * prompts
+    line = json.loads(log.getvalue().splitlines()[-1])
+    assert line["quota_charged_tokens"] == len(json.dumps(body)) // 4 + 3 * prompts
+    assert (line["input_tokens"], line["output_tokens"]) == (evaluated, 3 * prompts)
+    assert line["quota_actual_tokens"] == evaluated + 3 * prompts
     proxy.assert_idle()

@@ -44,6 +44,31 @@ WITH_TIMINGS = [
     b"data: [DONE]\n\n",
 ]
 
+#: llama.cpp's own ``/completion`` with two prompts: a ``null`` event, then both
+#: answers interleaved, each event with its ``index`` and that answer's running counts.
+BATCH = [
+    b"data: null\n\n",
+    *(
+        _event({"index": i, "content": "t", "tokens_predicted": step, "tokens_evaluated": 3 + i})
+        for step in (1, 2, 3)
+        for i in (1, 0)
+    ),
+    *(
+        _event(
+            {
+                "index": i,
+                "content": "",
+                "stop": True,
+                "tokens_predicted": 3,
+                "tokens_evaluated": 3 + i,
+                "timings": {"predicted_n": 3},
+            }
+        )
+        for i in (0, 1)
+    ),
+    b"data: [DONE]\n\n",
+]
+
 
 def _metered(chunks: list[bytes]) -> tuple[object, ...]:
     """What the meter says after ``chunks``, and whether ``done`` came only once the
@@ -78,8 +103,9 @@ def _splits(stream: bytes, seed: int) -> list[bytes]:
     [
         (WITH_USAGE, (1.0, 10, 7, 10, True)),
         (WITH_TIMINGS, (1.0, 6, 3, 5, True)),
+        (BATCH, (1.0, 8, 3 + 4, 2 * 3, True)),
     ],
-    ids=["usage", "timings"],
+    ids=["usage", "timings", "batch"],
 )
 def test_every_split_of_a_stream_meters_the_same(
     events: list[bytes], expected: tuple[object, ...]
@@ -92,3 +118,21 @@ def test_every_split_of_a_stream_meters_the_same(
     assert _metered([stream[i : i + 1] for i in range(len(stream))]) == expected
     for seed in range(20):
         assert _metered(_splits(stream, seed)) == expected
+
+
+def test_a_responses_stream_has_no_first_token_at_its_end() -> None:
+    """OpenAI's Responses API (llama-server, vLLM and SGLang serve ``/v1/responses``):
+    its deltas are not read as tokens, and its closing ``response.output_text.done``,
+    which holds the whole text at the top of the event, is no first token either
+    (its time is the whole answer's, not the time to first token)."""
+    events = [
+        _event({"type": "response.created", "response": {"status": "in_progress"}}),
+        _event({"type": "response.output_text.delta", "item_id": "m", "delta": "Hi"}),
+        _event({"type": "response.output_text.done", "item_id": "m", "text": "Hi there"}),
+        _event({"type": "response.completed", "response": {"status": "completed"}}),
+    ]
+    meter = SseMeter()
+    for at, event in enumerate(events):
+        meter.feed(event, float(at))
+    meter.finish()
+    assert (meter.first_token_at, meter.content_events) == (None, 0)

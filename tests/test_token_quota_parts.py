@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from proxy.batch_usage import BatchUsage
 from proxy.clock import FakeClock
 from proxy.ratelimit_headers import go_duration, request_headers, token_headers
 from proxy.sse import SseMeter, usage_from_body
@@ -71,6 +72,32 @@ def test_request_headers_from_the_bucket() -> None:
         ({"parameters": {"max_new_tokens": 5, "best_of": 2}}, 256, "completion", 10),  # TGI
         ({"sampling_params": {"max_new_tokens": 5, "n": 3}}, 256, "completion", 15),  # SGLang
         ({"n": 4}, 12, "completion", 12),  # no limit: the mean already counts the choices
+        # several limits: the largest (llama.cpp takes n_predict over max_tokens)
+        ({"max_tokens": 1, "n_predict": 50}, 256, "completion", 50),
+        ({"max_tokens": 9, "n_predict": -1}, 256, "completion", 9),
+        # SGLang's batch with sampling_params per prompt: each one's limit times its n
+        (
+            {
+                "text": ["a", "b"],
+                "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 5, "n": 2}],
+            },
+            256,
+            "completion",
+            13,
+        ),
+        ({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 3}, {}]}, 7, "completion", 7),
+        # a batch: one answer per prompt of the list (a list holding a number is one prompt)
+        ({"prompt": ["a", "b", "c"], "n_predict": 4}, 256, "completion", 12),  # llama.cpp
+        ({"prompt": [[1, 2], [3]], "max_tokens": 4, "n": 2}, 256, "completion", 16),  # OpenAI
+        ({"prompt": [1, 2, 3], "max_tokens": 4}, 256, "completion", 4),  # token ids: one
+        ({"prompt": [12, "x", 13], "n_predict": 4}, 256, "completion", 4),  # llama.cpp's mix
+        ({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 5}}, 256, "completion", 10),
+        (
+            {"input_ids": [[1], [2], [3]], "sampling_params": {"max_new_tokens": 2}},
+            256,
+            "completion",
+            6,
+        ),
     ],
 )
 def test_quota_estimate(doc: dict[str, Any], output: float, count: Any, expected: int) -> None:
@@ -249,7 +276,58 @@ def test_meter_reads_a_one_event_stream() -> None:
         # a count's name inside a string value is escaped, never read
         (b'{"content":"\\"tokens_predicted\\":9","stop":true}', (None, None)),
         (b'{"content":"x"}', (None, None)),
+        # a batch: every answer's counts (llama.cpp's /completion, SGLang's /generate)
+        (
+            b' [{"tokens_predicted":3,"tokens_evaluated":2},{"tokens_predicted":4,'
+            b'"tokens_evaluated":5}]',
+            (7, 7),
+        ),
+        (
+            b'[{"text":"a","meta_info":{"prompt_tokens":1,"completion_tokens":2}},'
+            b'{"text":"b","meta_info":{"prompt_tokens":3,"completion_tokens":4}}]',
+            (4, 6),
+        ),
+        (b'[{"index":0,"embedding":[[0.5]]}]', (None, None)),
     ],
 )
 def test_usage_from_a_whole_body(body: bytes, expected: tuple[int | None, int | None]) -> None:
     assert usage_from_body(body) == expected
+
+
+def test_batch_usage_reads_counts_cut_across_chunks() -> None:
+    """A batch answer fed in chunks of every size, names and digits cut anywhere: each
+    count is read once, the same as from the whole answer."""
+    item = b'{"content":"x","tokens_predicted":123,"tokens_evaluated":45,"generation_settings":{}}'
+    body = b"[" + b",".join([item] * 7) + b"]"
+    for size in (1, 2, 3, 7, 16, 50, len(body)):
+        counts = BatchUsage()
+        for start in range(0, len(body), size):
+            counts.feed(body[start : start + size])
+        assert counts.finish() == (7 * 45, 7 * 123), size
+
+
+def test_meter_sums_a_batch_streams_answers() -> None:
+    """llama.cpp's ``/completion`` with a list of prompts streams their answers
+    interleaved, each event with its ``index`` and that answer's running counts (after
+    a ``null`` event): the stream used the sum of each answer's last counts."""
+    meter = SseMeter()
+    meter.feed(b"data: null\n\n", 0.5)
+    for step in (1, 2, 3):
+        for index, prompt in ((1, 4), (0, 3)):
+            meter.feed(_event({"index": index, "content": "t", "tokens_predicted": step,
+                               "tokens_evaluated": prompt}), float(step))  # fmt: skip
+    meter.feed(b"data: [DONE]\n\n", 4.0)
+    meter.finish()
+    assert meter.first_token_at == 1.0
+    assert (meter.input_tokens, meter.output_tokens) == (7, 6)
+
+
+def test_meter_sums_sglang_batch_answers() -> None:
+    """SGLang's ``/generate`` with a list of texts: ``meta_info`` per answer, by ``index``."""
+    meter = SseMeter()
+    for i in (1, 2):
+        for index in (0, 1, 2):
+            meta = {"prompt_tokens": 5 + index, "completion_tokens": i}
+            meter.feed(_event({"text": "ab"[:i], "meta_info": meta, "index": index}), float(i))
+    meter.finish()
+    assert (meter.input_tokens, meter.output_tokens) == (5 + 6 + 7, 3 * 2)

@@ -95,6 +95,32 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _sglang_generate(request: web.Request) -> web.StreamResponse:
+    """SGLang's ``/generate``: a list of texts is a batch, answered with a JSON array (or a
+    stream interleaving the answers by ``index``), each with its ``meta_info`` counts:
+    5 prompt tokens per text, ``sampling_params.max_new_tokens`` generated."""
+    body = await request.json()
+    texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
+    n = int(body["sampling_params"]["max_new_tokens"])
+
+    def answer(index: int, done: int) -> dict[str, Any]:
+        meta = {"id": f"r{index}", "prompt_tokens": 5, "completion_tokens": done,
+                "finish_reason": {"type": "length"} if done == n else None}  # fmt: skip
+        return {"text": "t" * done, "meta_info": meta, "index": index}
+
+    if not body.get("stream"):
+        answers = [answer(index, n) for index in range(len(texts))]
+        return web.json_response(answers if isinstance(body["text"], list) else answers[0])
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for done in range(1, n + 1):
+        for index in reversed(range(len(texts))):
+            await response.write(b"data: " + json.dumps(answer(index, done)).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
 async def _other(request: web.Request) -> web.Response:
     return web.json_response({"data": []})  # probes, warm-up, /v1/models
 
@@ -104,6 +130,7 @@ async def engine_server(aiohttp_server: ServerFactory) -> TestServer:
     app = web.Application()
     app[ENGINE] = Engine()
     app.router.add_post(CHAT, _chat)
+    app.router.add_post("/generate", _sglang_generate)
     app.router.add_route("*", "/{tail:.*}", _other)
     return await aiohttp_server(app)
 
@@ -442,4 +469,34 @@ async def test_every_route_an_engine_spends_tokens_on_is_charged(
         assert "x-ratelimit-remaining-tokens" in response.headers
     await wait_for(lambda: bool(log.getvalue()))
     assert json.loads(log.getvalue())["quota_charged_tokens"] == len(body) // 4 + output
+    proxy.assert_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("texts", [1, 3])
+async def test_sglang_batch_is_charged_every_answer(
+    start_proxy: Start, engine_url: str, clock: FakeClock, stream: bool, texts: int
+) -> None:
+    """SGLang's ``/generate`` with a list of texts answers each: charged its
+    ``max_new_tokens`` per text at admission and settled to the sum of every answer's
+    ``meta_info`` (a stream: each answer's last counts). It was charged one text's
+    output and settled to one answer's counts."""
+    log = io.StringIO()
+    proxy = await start_proxy(
+        quota_config(engine_url, {"per_day": 10_000}), quota_clock=clock, access_log=log
+    )
+    text: Any = [f"text {i}" for i in range(texts)] if texts > 1 else "text"
+    body = {"text": text, "sampling_params": {"max_new_tokens": 4}, "stream": stream}
+    async with proxy.client.post(
+        "/generate", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
+    ) as response:
+        assert response.status == 200
+        await response.read()
+    await wait_for(lambda: bool(log.getvalue()))
+    line = json.loads(log.getvalue())
+    assert line["quota_charged_tokens"] == estimate_of(body, 4 * texts)
+    assert (line["input_tokens"], line["output_tokens"]) == (5 * texts, 4 * texts)
+    assert line["quota_actual_tokens"] == 5 * texts + 4 * texts
+    if stream:
+        assert line["ttft_ms"] is not None
     proxy.assert_idle()
