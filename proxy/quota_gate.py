@@ -22,7 +22,7 @@ from proxy.errors import TokenQuotaExceeded
 from proxy.quotas import RateTake
 from proxy.ratelimit_headers import request_headers, token_headers
 from proxy.relay import Relayed
-from proxy.state.quota import QuotaRefused, QuotaRemaining
+from proxy.state.quota import QuotaLimits, QuotaRefused, QuotaRemaining
 from proxy.token_quota import Held, TokenQuotas, actual_tokens, limits_of, quota_estimate
 from proxy.usage_request import USAGE_ROUTES, request_usage
 
@@ -72,8 +72,7 @@ async def admit_tokens(
     gate.headers.update(token_headers(limits, remaining))
     if isinstance(outcome, QuotaRefused):
         raise TokenQuotaExceeded(
-            f"tenant {tenant!r} is over its token quota per {outcome.window} "
-            f"({estimate} tokens estimated for this request)",
+            _refusal(tenant, estimate, outcome.window, limits),
             retry_after_s=outcome.retry_after_s,
             window=outcome.window,
         )
@@ -86,6 +85,22 @@ async def admit_tokens(
             gate.body = json.dumps(asked).encode()
             gate.strip_usage = True
     return gate
+
+
+def _refusal(tenant: str, estimate: int, window: str, limits: QuotaLimits) -> str:
+    """The refusal's message; it says so when the request can never fit: its
+    estimate is more than a whole window holds, so waiting would not help."""
+    for name, limit in (("minute", limits.per_minute), ("day", limits.per_day)):
+        if limit is not None and estimate > limit:
+            return (
+                f"this request is estimated at {estimate} tokens, more than tenant "
+                f"{tenant!r}'s whole token quota per {name} ({limit}): it can never be "
+                f"admitted; ask for fewer output tokens (max_tokens) or send a shorter prompt"
+            )
+    return (
+        f"tenant {tenant!r} is over its token quota per {window} "
+        f"({estimate} tokens estimated for this request)"
+    )
 
 
 async def settle(quotas: TokenQuotas, held: Held, relayed: Relayed | None) -> QuotaRemaining | None:

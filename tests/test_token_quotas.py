@@ -500,3 +500,22 @@ async def test_sglang_batch_is_charged_every_answer(
     if stream:
         assert line["ttft_ms"] is not None
     proxy.assert_idle()
+
+
+async def test_a_request_larger_than_the_whole_quota_is_told_it_can_never_fit(
+    start_proxy: Start, engine_url: str, clock: FakeClock
+) -> None:
+    """per_minute 100 and max_tokens 500: no wait would ever admit it, so the 429 says
+    so (and what to change) instead of sending the client back in a minute for ever;
+    a request that only has to wait is told it is over its quota, as before."""
+    proxy = await start_proxy(quota_config(engine_url, {"per_minute": 100}), quota_clock=clock)
+    status, headers, body = await chat(proxy, {"messages": [], "max_tokens": 500})
+    assert status == 429 and headers["X-Admission-Reason"] == "token_quota_exceeded"
+    message = json.loads(body)["error"]["message"]
+    assert "more than tenant 'a''s whole token quota per minute (100)" in message
+    assert "can never be admitted" in message and "max_tokens" in message
+    assert (await chat(proxy, {"messages": [], "max_tokens": 80}))[0] == 200
+    status, _, body = await chat(proxy, {"messages": [], "max_tokens": 80})
+    assert status == 429
+    assert "is over its token quota per minute" in json.loads(body)["error"]["message"]
+    proxy.assert_idle()
