@@ -50,8 +50,20 @@ def cap_max_tokens(doc: dict[str, Any], route: str, cap: int) -> dict[str, Any] 
 
     ``route`` is the normalised path without a trailing slash. A limit that
     is not a positive integer (``null``, a string) counts as absent for the
-    engine's default and is replaced by the cap.
+    engine's default and is replaced by the cap. An ``n_predict`` above the
+    cap is lowered on the OpenAI routes too: llama.cpp reads it there and
+    takes it over ``max_tokens``, so it would step around the cap.
     """
+    capped = _capped_by_route(doc, route, cap)
+    if route in LLAMA_CPP or route not in (CHAT, COMPLETIONS):
+        return capped
+    given = doc.get("n_predict")
+    if given is None or (given != -1 and not _lowered(given, cap)):
+        return capped
+    return {**(capped or doc), "n_predict": cap}
+
+
+def _capped_by_route(doc: dict[str, Any], route: str, cap: int) -> dict[str, Any] | None:
     if route == CHAT:
         present = [k for k in ("max_completion_tokens", "max_tokens") if doc.get(k) is not None]
         if not present:

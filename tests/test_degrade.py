@@ -76,6 +76,10 @@ CAP = 2
         ("/completions", {"n_predict": -1}, {"n_predict": 2}),
         ("/infill", {"n_predict": 9}, {"n_predict": 2}),
         ("/completion", {"n_predict": 1}, None),
+        # llama.cpp takes n_predict over max_tokens on its OpenAI routes too
+        (CHAT, {"max_tokens": 1, "n_predict": 500}, {"max_tokens": 1, "n_predict": 2}),
+        ("/v1/completions", {"n_predict": -1}, {"n_predict": 2, "max_tokens": 2}),
+        (CHAT, {"max_tokens": 1, "n_predict": 2}, None),
         ("/v1/embeddings", {"input": "x"}, None),
     ],
 )
