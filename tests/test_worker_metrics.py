@@ -8,15 +8,24 @@ worker scraped adds its siblings' to its own (``proxy/worker_metrics.py``).
 
 from __future__ import annotations
 
+import os
+import secrets
+import tempfile
 from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import build_app
 from proxy.runtime import RUNTIME
-from proxy.worker_metrics import GAUGE_MERGE, merge, socket_dir
+from proxy.worker_metrics import (
+    GAUGE_MERGE,
+    WorkerMetrics,
+    merge,
+    socket_dir,
+)
 from tests.fleet import start_serve, write_config
 from tests.helpers import KEY_A, make_config, samples_by_label
 from tests.redis_server import RedisServer
@@ -59,6 +68,82 @@ def test_counters_and_histograms_add_up_and_each_gauge_by_its_meaning() -> None:
 def test_one_worker_comes_out_as_it_went_in() -> None:
     text = _worker(3, 2, 1, 0.02)
     assert merge([text]).decode() == text
+
+
+def test_label_values_with_spaces_quotes_and_braces_are_series_of_their_own() -> None:
+    """The merge reads a series as the text before its value (not with prometheus-client's
+    parser, too slow for the event loop): values that look like syntax stay whole."""
+    odd = ["a b", 'a"b', "a,b}", "a\\b", "a\nb", "a"]
+    texts = []
+    for worker in range(3):
+        registry = CollectorRegistry()
+        counter = Counter("admission_requests", "R", ["tenant", "outcome"], registry=registry)
+        for i, tenant in enumerate(odd):
+            counter.labels(tenant, "completed").inc(worker + i)
+        texts.append(generate_latest(registry).decode())
+    totals = {
+        sample.labels["tenant"]: sample.value
+        for family in text_string_to_metric_families(merge(texts).decode())
+        for sample in family.samples
+        if sample.name == "admission_requests_total"
+    }
+    assert totals == {tenant: float(3 * i + 3) for i, tenant in enumerate(odd)}
+
+
+def _group() -> str:
+    return f"test-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@pytest.mark.parametrize("kind", ["open_to_all", "a_link"])
+async def test_a_socket_directory_not_this_users_alone_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    """A directory of the group's name already there and open to others (or a link to
+    one elsewhere) would let anyone read the metrics or add sockets to every scrape."""
+    group = _group()
+    directory = socket_dir(group)
+    if kind == "open_to_all":
+        directory.mkdir()
+        directory.chmod(0o777)
+    else:
+        target = tmp_path / "elsewhere"
+        target.mkdir(mode=0o700)
+        directory.symlink_to(target)
+    sockets = WorkerMetrics(group, CollectorRegistry())
+    try:
+        with pytest.raises(PermissionError, match="not a directory of this user's alone"):
+            await sockets.start()
+        assert not list(directory.glob("*.sock"))
+    finally:
+        await sockets.close()
+        if directory.is_symlink():
+            directory.unlink()
+        elif directory.exists():
+            directory.rmdir()
+
+
+async def test_a_long_temporary_directory_still_binds_the_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A socket path past the system's limit (108 bytes) cannot be bound: with a long
+    TMPDIR the worker could not start. The sockets then go under /tmp."""
+    long = tmp_path / ("t" * 80)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    registry = CollectorRegistry()
+    Counter("admission_requests", "R", registry=registry).inc(7)
+    sockets = WorkerMetrics(_group(), registry)
+    await sockets.start()
+    try:
+        assert len(os.fsencode(sockets.path)) < 108  # Linux's sun_path, its NUL included
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sockets.path))) as s,
+            s.get("http://worker/metrics") as resp,
+        ):
+            assert "admission_requests_total 7.0" in await resp.text()
+    finally:
+        await sockets.close()
+    assert not sockets.directory.exists()
 
 
 @pytest.mark.redis
