@@ -205,8 +205,13 @@ class WorkerMetrics:
                 session.get("http://worker/metrics") as response,
             ):
                 return await response.text() if response.status == 200 else None
-        except (aiohttp.ClientConnectorError, FileNotFoundError):
-            _forget(path)  # nothing listens there: a worker that died without cleaning up
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.os_error, ConnectionRefusedError | FileNotFoundError):
+                _forget(path)  # nothing listens there: a worker that died without cleaning up
+                return None
+            # A live worker too (one whose accept backlog is full: EAGAIN on
+            # uvloop): removing its socket would leave it out of every scrape.
+            log.warning("worker metrics not read", socket=str(path), error=repr(exc))
             return None
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("worker metrics not read", socket=str(path), error=repr(exc))

@@ -8,13 +8,16 @@ worker scraped adds its siblings' to its own (``proxy/worker_metrics.py``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
+import socket
 import tempfile
 from pathlib import Path
 
 import aiohttp
 import pytest
+import uvloop
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -144,6 +147,45 @@ async def test_a_long_temporary_directory_still_binds_the_socket(
     finally:
         await sockets.close()
     assert not sockets.directory.exists()
+
+
+def test_a_sibling_that_cannot_take_the_connection_now_keeps_its_socket(tmp_path: Path) -> None:
+    """Only a socket nothing listens on is a dead worker's. A live one whose accept
+    backlog is full answers EAGAIN (uvloop, the proxy's loop): its socket was removed,
+    and that worker was left out of every later scrape."""
+    group = _group()
+    directory = socket_dir(group)
+    directory.mkdir(mode=0o700)
+    busy, dead = directory / "999998.sock", directory / "999999.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(busy))
+    listener.listen(0)  # never accepts: the backlog fills
+    with socket.socket(socket.AF_UNIX) as killed:
+        killed.bind(str(dead))  # bound, then closed: a worker killed
+    waiting = []
+    try:
+        for _ in range(8):  # fill the backlog (Linux takes one or two past listen(0))
+            client = socket.socket(socket.AF_UNIX)
+            client.setblocking(False)
+            waiting.append(client)
+            try:
+                client.connect(str(busy))
+            except BlockingIOError:
+                break
+        else:
+            pytest.skip("this kernel's backlog did not fill")
+        sockets = WorkerMetrics(group, CollectorRegistry())
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(sockets.scrape())
+        assert busy.exists()
+        assert not dead.exists()
+    finally:
+        for client in waiting:
+            client.close()
+        listener.close()
+        for path in directory.glob("*.sock"):
+            path.unlink()
+        directory.rmdir()
 
 
 @pytest.mark.redis
