@@ -19,8 +19,9 @@ reaches reads its siblings' there and answers their sum (``merge``):
   sees a problem shows it); the budget pressure takes the worst worker's.
 
 A sibling that does not answer within ``SIBLING_TIMEOUT_S`` (a worker
-restarting) is left out of that scrape, and its socket file removed when
-nothing listens on it any more. The sockets are only for this: nothing but
+busy or stalled) counts with the last exposition read from it; one that
+nothing listens for any more (a worker killed) is left out, and its socket
+file removed. The sockets are only for this: nothing but
 ``GET /metrics`` is served there, and the directory is the user's alone
 (``_private_dir``: one already there that is not is refused).
 """
@@ -154,13 +155,15 @@ def merge(texts: Sequence[str]) -> bytes:
 class WorkerMetrics:
     """This worker's metrics socket, and the group's merged scrape."""
 
-    __slots__ = ("_registry", "_runner", "directory", "path")
+    __slots__ = ("_last", "_registry", "_runner", "directory", "path")
 
     def __init__(self, group: str, registry: CollectorRegistry) -> None:
         self._registry = registry
         self.directory = socket_dir(group)
         self.path = self.directory / f"{os.getpid()}.sock"
         self._runner: web.AppRunner | None = None
+        #: Each live sibling's last exposition read (``_sibling``).
+        self._last: dict[Path, str] = {}
 
     def __repr__(self) -> str:
         return f"<WorkerMetrics {self.path}>"
@@ -196,6 +199,12 @@ class WorkerMetrics:
         return merge([own, *(text for text in found if text is not None)])
 
     async def _sibling(self, path: Path) -> str | None:
+        """A sibling's exposition; its last one read when it is alive but did not answer.
+
+        Left out of the sum, a live sibling's counters would drop for one scrape and
+        come back at the next: Prometheus reads each as a reset, and ``rate()`` counts
+        the other workers' whole totals (then the sibling's) as new requests.
+        """
         try:
             async with (
                 aiohttp.ClientSession(
@@ -204,18 +213,20 @@ class WorkerMetrics:
                 ) as session,
                 session.get("http://worker/metrics") as response,
             ):
-                return await response.text() if response.status == 200 else None
+                if response.status == 200:
+                    self._last[path] = text = await response.text()
+                    return text
         except aiohttp.ClientConnectorError as exc:
             if isinstance(exc.os_error, ConnectionRefusedError | FileNotFoundError):
                 _forget(path)  # nothing listens there: a worker that died without cleaning up
+                self._last.pop(path, None)
                 return None
             # A live worker too (one whose accept backlog is full: EAGAIN on
             # uvloop): removing its socket would leave it out of every scrape.
             log.warning("worker metrics not read", socket=str(path), error=repr(exc))
-            return None
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("worker metrics not read", socket=str(path), error=repr(exc))
-            return None
+        return self._last.get(path)
 
 
 def _forget(path: Path) -> None:

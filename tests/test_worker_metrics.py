@@ -18,9 +18,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 import uvloop
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import worker_metrics
 from proxy.app import build_app
 from proxy.runtime import RUNTIME
 from proxy.worker_metrics import (
@@ -186,6 +188,45 @@ def test_a_sibling_that_cannot_take_the_connection_now_keeps_its_socket(tmp_path
         for path in directory.glob("*.sock"):
             path.unlink()
         directory.rmdir()
+
+
+async def test_a_sibling_that_stalls_counts_with_what_it_last_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live sibling that does not answer in time was left out of that scrape: its
+    counters dropped and came back, two resets for Prometheus (rate() then counts
+    every worker's whole total as new). It counts with its last answer instead."""
+    monkeypatch.setattr(worker_metrics, "SIBLING_TIMEOUT_S", 0.2)
+    group = _group()
+    stalled = asyncio.Event()
+    release = asyncio.Event()
+
+    async def sibling(request: web.Request) -> web.Response:
+        if stalled.is_set():
+            await release.wait()  # a worker whose loop is busy elsewhere
+        return web.Response(body=_worker(5, 0, 1, 0.1).encode())
+
+    runner = web.AppRunner(web.Application(), shutdown_timeout=0.1)
+    runner.app.router.add_get("/metrics", sibling)
+    own = CollectorRegistry()
+    Counter("admission_requests", "R", ["tenant"], registry=own).labels("a").inc(3)
+    sockets = WorkerMetrics(group, own)
+    await sockets.start()
+    await runner.setup()
+    path = sockets.directory / "999999.sock"
+    try:
+        await web.UnixSite(runner, str(path)).start()
+        first = (await sockets.scrape()).decode()
+        assert samples_by_label(first, "admission_requests_total", "tenant") == {"a": 8.0}
+        stalled.set()
+        second = (await sockets.scrape()).decode()
+        assert samples_by_label(second, "admission_requests_total", "tenant") == {"a": 8.0}
+    finally:
+        release.set()
+        await runner.cleanup()
+        path.unlink()
+        await sockets.close()
+    assert not sockets.directory.exists()
 
 
 @pytest.mark.redis
