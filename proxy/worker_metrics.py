@@ -155,13 +155,15 @@ def merge(texts: Sequence[str]) -> bytes:
 class WorkerMetrics:
     """This worker's metrics socket, and the group's merged scrape."""
 
-    __slots__ = ("_last", "_registry", "_runner", "directory", "path")
+    __slots__ = ("_last", "_rebinding", "_registry", "_runner", "_site", "directory", "path")
 
     def __init__(self, group: str, registry: CollectorRegistry) -> None:
         self._registry = registry
         self.directory = socket_dir(group)
         self.path = self.directory / f"{os.getpid()}.sock"
         self._runner: web.AppRunner | None = None
+        self._site: web.UnixSite | None = None
+        self._rebinding = asyncio.Lock()
         #: Each live sibling's last exposition read (``_sibling``).
         self._last: dict[Path, str] = {}
 
@@ -174,15 +176,24 @@ class WorkerMetrics:
         app.router.add_get("/metrics", self._own)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
+        self._runner = runner
+        await self._bind()
+
+    async def _bind(self) -> None:
+        """Serve on ``path`` (again, when its file was removed: see ``scrape``)."""
+        assert self._runner is not None
+        if self._site is not None:
+            await self._site.stop()
+        _private_dir(self.directory)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a former process of the same pid
-        await web.UnixSite(runner, str(self.path)).start()
-        self._runner = runner
+        self._site = web.UnixSite(self._runner, str(self.path))
+        await self._site.start()
 
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-            self._runner = None
+            self._runner = self._site = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         with contextlib.suppress(OSError):
@@ -192,7 +203,17 @@ class WorkerMetrics:
         return web.Response(body=generate_latest(self._registry))
 
     async def scrape(self) -> bytes:
-        """Every reachable worker's metrics, this one's included, merged."""
+        """Every reachable worker's metrics, this one's included, merged.
+
+        A socket file of this worker's found gone (a temporary-file cleaner such
+        as systemd-tmpfiles ages sockets out of /tmp, a sibling removed it) is made
+        again: else no sibling counted this worker until it restarted.
+        """
+        if self._runner is not None and not self.path.exists():
+            async with self._rebinding:  # two scrapes at once bind it once
+                if self._runner is not None and not self.path.exists():
+                    log.warning("worker metrics socket gone, served again", socket=str(self.path))
+                    await self._bind()
         own = generate_latest(self._registry).decode()
         siblings = [p for p in self.directory.glob("*.sock") if p != self.path]
         found = await asyncio.gather(*(self._sibling(path) for path in siblings))

@@ -229,6 +229,28 @@ async def test_a_sibling_that_stalls_counts_with_what_it_last_answered(
     assert not sockets.directory.exists()
 
 
+async def test_a_worker_whose_socket_file_was_removed_serves_it_again() -> None:
+    """A cleaner of old temporary files (systemd-tmpfiles ages sockets out of /tmp) or
+    a sibling removed this worker's socket: no sibling counted it until it restarted.
+    Its next scrape binds the socket again."""
+    registry = CollectorRegistry()
+    Counter("admission_requests", "R", registry=registry).inc(4)
+    sockets = WorkerMetrics(_group(), registry)
+    await sockets.start()
+    try:
+        sockets.path.unlink()
+        sockets.directory.rmdir()
+        await asyncio.gather(sockets.scrape(), sockets.scrape())
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sockets.path))) as s,
+            s.get("http://worker/metrics") as resp,
+        ):
+            assert "admission_requests_total 4.0" in await resp.text()
+    finally:
+        await sockets.close()
+    assert not sockets.directory.exists()
+
+
 @pytest.mark.redis
 async def test_every_scrape_counts_every_worker(
     tmp_path: Path, upstream_url: str, redis_server: RedisServer
