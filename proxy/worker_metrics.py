@@ -168,7 +168,7 @@ class WorkerMetrics:
         self._last: dict[Path, str] = {}
 
     def __repr__(self) -> str:
-        return f"<WorkerMetrics {self.path}>"
+        return f"<WorkerMetrics {self.path}, {len(self._last)} siblings' last read kept>"
 
     async def start(self) -> None:
         _private_dir(self.directory)
@@ -216,6 +216,8 @@ class WorkerMetrics:
                     await self._bind()
         own = generate_latest(self._registry).decode()
         siblings = [p for p in self.directory.glob("*.sock") if p != self.path]
+        for gone in self._last.keys() - set(siblings):
+            del self._last[gone]  # a dead worker's socket another worker removed
         found = await asyncio.gather(*(self._sibling(path) for path in siblings))
         return merge([own, *(text for text in found if text is not None)])
 

@@ -222,10 +222,14 @@ async def test_a_sibling_that_stalls_counts_with_what_it_last_answered(
         monkeypatch.setattr(worker_metrics, "SIBLING_TIMEOUT_S", 0.2)  # it never answers now
         second = (await sockets.scrape()).decode()
         assert samples_by_label(second, "admission_requests_total", "tenant") == {"a": 8.0}
+        path.unlink()  # it died, and another worker removed its socket: not counted now
+        third = (await sockets.scrape()).decode()
+        assert samples_by_label(third, "admission_requests_total", "tenant") == {"a": 3.0}
+        assert "0 siblings' last read kept" in repr(sockets)  # not kept for good
     finally:
         release.set()
         await runner.cleanup()
-        path.unlink()
+        path.unlink(missing_ok=True)
         await sockets.close()
     assert not sockets.directory.exists()
 
