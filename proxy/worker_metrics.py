@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import stat
 import tempfile
 from collections.abc import Callable, Sequence
@@ -196,6 +197,7 @@ class WorkerMetrics:
             self._runner = self._site = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        _remove_dead(self.directory)  # a killed sibling's, else the directory stays
         with contextlib.suppress(OSError):
             self.directory.rmdir()  # the group's last worker to stop
 
@@ -250,6 +252,22 @@ class WorkerMetrics:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("worker metrics not read", socket=str(path), error=repr(exc))
         return self._last.get(path)
+
+
+def _remove_dead(directory: Path) -> None:
+    """Remove the sockets in ``directory`` nothing listens on (workers killed since).
+
+    A connect to a Unix socket answers at once, listened on or not: no thread.
+    """
+    for path in directory.glob("*.sock"):
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.setblocking(False)
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                _forget(path)
+            except OSError:
+                pass  # alive but busy (EAGAIN): left as it is
 
 
 def _forget(path: Path) -> None:

@@ -256,6 +256,20 @@ async def test_a_worker_whose_socket_file_was_removed_serves_it_again() -> None:
     assert not sockets.directory.exists()
 
 
+async def test_the_last_worker_to_stop_removes_a_killed_siblings_socket() -> None:
+    """A sibling killed (SIGKILL, a crash) leaves its socket file: the group's directory
+    was left in the temporary directory, one per group that ever lost a worker."""
+    group = _group()
+    sockets = WorkerMetrics(group, CollectorRegistry())
+    await sockets.start()
+    try:
+        with socket.socket(socket.AF_UNIX) as killed:
+            killed.bind(str(sockets.directory / "999999.sock"))
+    finally:
+        await sockets.close()
+    assert not sockets.directory.exists()
+
+
 @pytest.mark.redis
 async def test_every_scrape_counts_every_worker(
     tmp_path: Path, upstream_url: str, redis_server: RedisServer
