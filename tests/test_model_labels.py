@@ -51,6 +51,20 @@ def test_a_lowered_cap_frees_enough_names_for_the_next_model() -> None:
     assert forgotten == ["b", "c", "d"]
 
 
+def test_a_lowered_cap_gives_up_the_names_no_longer_served_even_too_few_for_a_new_one() -> None:
+    """Cap 4 lowered to 2 with four names, two of them still served: the next new
+    model is other (two names left, the cap), and the two no longer served give their
+    names and series up (they held them past the cap until two more models went)."""
+    forgotten: list[str] = []
+    labels = ModelLabels(4, served=lambda: {"a", "b", "e"}, forget=forgotten.append)
+    for model in "abcd":
+        labels(model)
+    labels.max_labels = 2
+    assert labels("e") == "other"
+    assert forgotten == ["c", "d"]
+    assert labels("c") == "other"  # a model gone comes back: the names are all served
+
+
 async def test_adapters_churning_through_discovery_keep_their_own_names(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:

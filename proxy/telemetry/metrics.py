@@ -255,15 +255,16 @@ class ModelLabels:
         return model
 
     def _free_one(self, count: int) -> bool:
-        """Forget ``count`` names of models no longer served, oldest use first."""
+        """Forget up to ``count`` names of models no longer served, oldest use first;
+        True when that left a name free. Fewer than ``count`` (a cap lowered by a
+        reload, most names still served) are forgotten all the same: kept, they held
+        names and series past the cap until that many more models went."""
         served = set(self.served())
         gone = [name for name in self._named if name not in served][:count]
-        if len(gone) < count:
-            return False
         for name in gone:
             del self._named[name]
             self.forget(name)
-        return True
+        return len(gone) == count
 
 
 @dataclass(frozen=True, slots=True)
