@@ -217,7 +217,7 @@ class WorkerMetrics:
                     log.warning("worker metrics socket gone, served again", socket=str(self.path))
                     await self._bind()
         own = generate_latest(self._registry).decode()
-        siblings = [p for p in self.directory.glob("*.sock") if p != self.path]
+        siblings = [p for p in _sockets(self.directory) if p != self.path]
         for gone in self._last.keys() - set(siblings):
             del self._last[gone]  # a dead worker's socket another worker removed
         found = await asyncio.gather(*(self._sibling(path) for path in siblings))
@@ -259,7 +259,7 @@ def _remove_dead(directory: Path) -> None:
 
     A connect to a Unix socket answers at once, listened on or not: no thread.
     """
-    for path in directory.glob("*.sock"):
+    for path in _sockets(directory):
         with socket.socket(socket.AF_UNIX) as probe:
             probe.setblocking(False)
             try:
@@ -268,6 +268,15 @@ def _remove_dead(directory: Path) -> None:
                 _forget(path)
             except OSError:
                 pass  # alive but busy (EAGAIN): left as it is
+
+
+def _sockets(directory: Path) -> list[Path]:
+    """The sockets in ``directory``; none when it is gone (the group's last other
+    worker removed it while this one was stopping too)."""
+    try:
+        return list(directory.glob("*.sock"))
+    except FileNotFoundError:
+        return []
 
 
 def _forget(path: Path) -> None:

@@ -14,6 +14,7 @@ import secrets
 import socket
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -267,6 +268,31 @@ async def test_the_last_worker_to_stop_removes_a_killed_siblings_socket() -> Non
             killed.bind(str(sockets.directory / "999999.sock"))
     finally:
         await sockets.close()
+    assert not sockets.directory.exists()
+
+
+async def test_a_worker_stopping_as_its_sibling_removes_the_directory_stops_cleanly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two workers stop at once: the other one removed the group's directory between
+    this one's look at it and its listing (``scandir`` raised FileNotFoundError, and
+    the worker exited 1 after a clean SIGTERM). Stopping, or a scrape, then finds no
+    sibling instead."""
+    registry = CollectorRegistry()
+    Counter("admission_requests", "R", registry=registry).inc(3)
+    sockets = WorkerMetrics(_group(), registry)
+    await sockets.start()
+    real_glob = Path.glob
+
+    def gone(self: Path, pattern: str) -> Any:
+        if self == sockets.directory:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_glob(self, pattern)
+
+    monkeypatch.setattr(Path, "glob", gone)
+    assert b"admission_requests_total 3.0" in await sockets.scrape()  # its own alone
+    await sockets.close()
+    monkeypatch.undo()
     assert not sockets.directory.exists()
 
 
