@@ -54,6 +54,19 @@ class Setup:
     def enqueue(self, tenant: str) -> Ticket:
         return self.d.enqueue(tenant, "standard", 10.0, Deadline.start(self.clock.now(), BUDGETS))
 
+    def count_asks(self, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        """The seat keys this process asks Redis for from now on, in order."""
+        asked: list[str] = []
+        acquire, here = LeaseStore.acquire, self.here
+
+        async def counted(store: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
+            if store is here:
+                asked.append(key)
+            return await acquire(store, key, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(LeaseStore, "acquire", counted)
+        return asked
+
     async def elsewhere(self, tenant: str, replica: str, seats: int, weight: float = 1.0) -> object:
         """The other instance asks for a seat of ``replica`` for ``tenant``."""
         share = Share(tenant, weight, KEYS.waiting(replica), KEYS.waiting_weights(replica),
@@ -191,15 +204,7 @@ async def test_a_release_that_cannot_seat_a_held_tenant_costs_no_redis_call(
     r0's free seat again, the one it avoids, and was refused again: one round trip per held
     tenant per release anywhere in the fleet). b's seat of r1 given back here seats a at once."""
     d = setup.d
-    asked: list[str] = []
-    acquire = LeaseStore.acquire
-
-    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
-        if self is setup.here:
-            asked.append(key)
-        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    asked = setup.count_asks(monkeypatch)
     r0, r2 = d.pool.get("r0"), d.pool.get("r2")
     assert r0 is not None and r2 is not None
     r2.saturated = True
@@ -243,15 +248,7 @@ async def test_a_tenant_avoiding_a_replica_found_full_elsewhere_is_held_not_sent
     again, a round trip that could not succeed (and one more for every r1 release heard
     while r1 stays full). A seat of r1 given back here seats it."""
     d = setup.d
-    asked: list[str] = []
-    acquire = LeaseStore.acquire
-
-    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
-        if self is setup.here:
-            asked.append(key)
-        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    asked = setup.count_asks(monkeypatch)
     r0 = d.pool.get("r0")
     assert r0 is not None
     r0.saturated = True  # b's seat goes to r1
@@ -290,15 +287,7 @@ async def test_a_hold_lifted_on_one_replica_stays_while_only_the_other_is_free(
     unblocked and sent to r1, refused again). Once c took its seat of r1 and that release
     is heard, a takes r1."""
     d = setup.d
-    asked: list[str] = []
-    acquire = LeaseStore.acquire
-
-    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
-        if self is setup.here:
-            asked.append(key)
-        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    asked = setup.count_asks(monkeypatch)
     for name in ("r0", "r1"):
         x = [await setup.elsewhere("x", name, 3) for _ in range(3)]
         assert isinstance(await setup.elsewhere("c", name, 3, weight=2.0), Full)
@@ -333,15 +322,7 @@ async def test_a_request_of_a_held_tenant_ending_keeps_it_held_until_its_seat_is
     seat is r0's, which a avoids: a stays held (it was let go by its place coming back and
     sent to r0, refused again). The seat back after the grace seats a on r1."""
     d = setup.d
-    asked: list[str] = []
-    acquire = LeaseStore.acquire
-
-    async def counted(self: LeaseStore, key: str, *args: object, **kwargs: object) -> object:
-        if self is setup.here:
-            asked.append(key)
-        return await acquire(self, key, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(LeaseStore, "acquire", counted)
+    asked = setup.count_asks(monkeypatch)
     r0 = d.pool.get("r0")
     assert r0 is not None
     r0.saturated = True  # the first request goes to r1
