@@ -21,6 +21,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiohttp.base_protocol import BaseProtocol
 from yarl import URL
 
 from tests.conftest import ProxyUnderTest
@@ -140,10 +141,18 @@ class SlowClient:
 
 def _waits_on_client(client: SlowClient) -> bool:
     """The proxy's writes to the client wait: its socket's send buffer is full and the
-    transport holds more than its high-water mark (aiohttp's writes then block)."""
+    transport has paused the protocol's writing (aiohttp's writes then block in drain).
+
+    Paused, not "more than the high-water mark buffered": writing pauses when the
+    buffer passes the high-water mark and resumes only below the low-water mark, so
+    after the client took some bytes the proxy can wait with the buffer between the
+    two. Waiting for it to pass the high-water mark again then waited for ever (the
+    proxy writes nothing until the client reads, the client read nothing until then)."""
     transport = client.proxy_side
     assert transport is not None
-    return transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
+    protocol = transport.get_protocol()
+    assert isinstance(protocol, BaseProtocol)
+    return protocol.writing_paused
 
 
 def _events(body: bytes) -> list[dict[str, Any]]:
