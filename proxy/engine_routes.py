@@ -50,10 +50,13 @@ def output_limit(doc: Any) -> int | None:
 
     OpenAI's ``max_tokens`` / ``max_completion_tokens``, TGI's
     ``parameters.max_new_tokens``, SGLang's ``sampling_params.max_new_tokens``,
-    llama.cpp's ``n_predict`` (-1, its "until the end", counts as none); the
-    largest when several are given, since engines differ in which one wins
-    (llama.cpp takes ``n_predict`` over ``max_tokens``, on every route): a
-    ``max_tokens`` of 1 beside an ``n_predict`` of thousands was charged 1.
+    llama.cpp's ``n_predict``; the largest when several are given, since
+    engines differ in which one wins (llama.cpp takes ``n_predict`` over
+    ``max_tokens``, on every route): a ``max_tokens`` of 1 beside an
+    ``n_predict`` of thousands was charged 1. A negative ``n_predict``
+    (llama.cpp's "until the end") names no limit even beside ``max_tokens``,
+    which llama.cpp then ignores: charging the ``max_tokens`` undercharged an
+    answer that runs to the context's end.
     Times the sequences it asks for (``sequences``). SGLang's list of
     ``sampling_params`` (one per prompt of a batch) is summed. None when it
     names no limit: the caller then uses the tenant's recent mean output,
@@ -64,7 +67,10 @@ def output_limit(doc: Any) -> int | None:
     sampling = doc.get("sampling_params")
     if isinstance(sampling, list):
         return _per_prompt(sampling)
-    named = [doc.get("max_tokens"), doc.get("max_completion_tokens"), doc.get("n_predict")]
+    n_predict = doc.get("n_predict")
+    if isinstance(n_predict, int) and not isinstance(n_predict, bool) and n_predict < 0:
+        return None
+    named = [doc.get("max_tokens"), doc.get("max_completion_tokens"), n_predict]
     for params in (doc.get("parameters"), sampling):
         if isinstance(params, dict):
             named.append(params.get("max_new_tokens"))

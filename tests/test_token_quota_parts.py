@@ -74,7 +74,9 @@ def test_request_headers_from_the_bucket() -> None:
         ({"n": 4}, 12, "completion", 12),  # no limit: the mean already counts the choices
         # several limits: the largest (llama.cpp takes n_predict over max_tokens)
         ({"max_tokens": 1, "n_predict": 50}, 256, "completion", 50),
-        ({"max_tokens": 9, "n_predict": -1}, 256, "completion", 9),
+        # n_predict -1 ("until the end") wins over max_tokens on llama.cpp: the mean
+        ({"max_tokens": 9, "n_predict": -1}, 256, "completion", 256),
+        ({"max_tokens": 9, "n_predict": -2}, 256, "completion", 256),
         # SGLang's batch with sampling_params per prompt: each one's limit times its n
         (
             {
