@@ -36,12 +36,22 @@ def is_batch(first_chunk: bytes) -> bool:
 
 
 class BatchUsage:
-    """Sums every item's counts of a JSON array answer, fed chunk by chunk."""
+    """Sums every item's counts of a JSON array answer, fed chunk by chunk.
 
-    __slots__ = ("_carry", "_sums")
+    ``samples``: answers per prompt (SGLang's ``n``). SGLang lists the ``n``
+    answers of each prompt one after another, each repeating its prompt's
+    ``prompt_tokens``; the prompt is prefilled once and shared, and SGLang's
+    own OpenAI usage counts it once, so only the first of each ``samples``
+    prompt counts is added (a prompt of 1,000 tokens asked with ``n: 8``
+    was charged 8,000).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_carry", "_prompts_seen", "_samples", "_sums")
+
+    def __init__(self, samples: int = 1) -> None:
         self._carry = b""
+        self._samples = max(1, samples)
+        self._prompts_seen = 0
         self._sums: dict[bytes, int] = {}
 
     def __repr__(self) -> str:
@@ -69,11 +79,15 @@ class BatchUsage:
 
     def _add(self, match: re.Match[bytes]) -> None:
         name = match.group(1)
+        if name == b"prompt_tokens":
+            self._prompts_seen += 1
+            if (self._prompts_seen - 1) % self._samples:
+                return  # another answer to a prompt already counted
         self._sums[name] = self._sums.get(name, 0) + int(match.group(2))
 
 
-def batch_usage(body: bytes) -> tuple[int | None, int | None]:
-    """The summed counts of a whole batch answer."""
-    counts = BatchUsage()
+def batch_usage(body: bytes, samples: int = 1) -> tuple[int | None, int | None]:
+    """The summed counts of a whole batch answer (``samples``: answers per prompt)."""
+    counts = BatchUsage(samples)
     counts.feed(body)
     return counts.finish()

@@ -103,6 +103,23 @@ def sequences(doc: dict[str, Any]) -> int:
     return max([1, *(count for count in counts if count is not None)]) * prompts(doc)
 
 
+def samples_per_prompt(doc: Any) -> int:
+    """Answers SGLang's own API generates per prompt: ``sampling_params.n`` (one
+    per prompt in a list, where SGLang requires them all equal), at least 1.
+
+    Only SGLang's API answers each of them with its own copy of the prompt's
+    count (OpenAI's ``n`` gets one ``usage``), so only it is read here.
+    """
+    if not isinstance(doc, dict):
+        return 1
+    sampling = doc.get("sampling_params")
+    if isinstance(sampling, list):
+        sampling = sampling[0] if sampling else None
+    if isinstance(sampling, dict):
+        return _positive(sampling.get("n")) or 1
+    return 1
+
+
 def prompts(doc: dict[str, Any]) -> int:
     """How many prompts one request carries: a batch is a list of them in
     ``prompt`` (OpenAI and llama.cpp completions), SGLang's ``text`` or

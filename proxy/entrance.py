@@ -42,6 +42,7 @@ from proxy.engine_routes import (
     PROMPT_ONLY_PATHS,
     output_limit,
     route_of,
+    samples_per_prompt,
 )
 from proxy.errors import (
     BadRequest,
@@ -297,6 +298,7 @@ async def _admit(
     seatless = method in ("GET", "HEAD") or route in SEATLESS_PATHS
     streaming = route == "/generate_stream" or (isinstance(doc, dict) and doc.get("stream") is True)
     record.streaming = streaming
+    record.samples_per_prompt = samples_per_prompt(doc)
     listing = (
         (route == "/v1/models" or route.startswith("/v1/models/"))
         and method == "GET"

@@ -52,6 +52,9 @@ class RequestRecord:
     timeout_layer: str | None = None
     input_tokens: int | None = None
     output_tokens: int | None = None
+    #: Answers the engine gives per prompt, each repeating the prompt's count
+    #: (SGLang's ``n``): the relay counts the prompt once (``samples_per_prompt``).
+    samples_per_prompt: int = 1
     #: Token quota: the estimate charged at admission, and what it was corrected to.
     quota_charged_tokens: int | None = None
     quota_actual_tokens: int | None = None

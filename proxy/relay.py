@@ -143,7 +143,7 @@ def relay_whole(
     committed.close()
     relayed.upstream_done = True
     if len(body) <= USAGE_SCAN_LIMIT or is_batch(body):  # nearly always: no copy
-        prompt, completion = usage_from_body(body)
+        prompt, completion = usage_from_body(body, record.samples_per_prompt)
     else:
         prompt, completion = _usage(body[:USAGE_SCAN_LIMIT], body[-USAGE_TAIL:])
     record.input_tokens = prompt or record.input_tokens
@@ -181,11 +181,12 @@ async def relay(
     headers = end_to_end_headers(upstream.headers)
     headers.update(extra_headers)
     is_sse = upstream.content_type == "text/event-stream"
-    meter = SseMeter() if is_sse else None
+    samples = record.samples_per_prompt
+    meter = SseMeter(samples) if is_sse else None
     kept = bytearray() if not is_sse else None
     tail = bytearray()  # a non-SSE answer's last bytes, once it outgrew ``kept``
     # A batch answer's counts are spread over all of it: summed as it passes.
-    batch = BatchUsage() if kept is not None and is_batch(committed.first_chunk) else None
+    batch = BatchUsage(samples) if kept is not None and is_batch(committed.first_chunk) else None
     strip = UsageStripper() if strip_usage and is_sse else None
     if strip is not None:
         headers.popall("Content-Length", None)  # the client gets fewer bytes

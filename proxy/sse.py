@@ -73,9 +73,13 @@ class SseMeter:
         "first_token_at",
         "input_tokens",
         "output_tokens",
+        "samples",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, samples: int = 1) -> None:
+        #: Answers per prompt (SGLang's ``n``): answer ``index`` i*n+j is prompt i's
+        #: j-th; each repeats its prompt's count, which the sum takes once.
+        self.samples = max(1, samples)
         self._buffer = b""
         self._last = b""
         #: Of a stream of running counts, the last event of each answer (``index``):
@@ -196,14 +200,15 @@ class SseMeter:
     def _sum_answers(self) -> None:
         """A batch's counts: the sum of each answer's last running counts."""
         prompt = completion = 0
-        for payload in self._lasts.values():
+        for index, payload in self._lasts.items():
             try:
                 event = json.loads(payload)
             except ValueError:
                 continue
             if isinstance(event, dict):
                 given, generated = engine_counts(event, None)
-                prompt += given or 0
+                if not index or int(index) % self.samples == 0:
+                    prompt += given or 0  # once per prompt, not once per sample
                 completion += generated or 0
         self.input_tokens = prompt or self.input_tokens
         self.output_tokens = completion
@@ -237,7 +242,7 @@ _EVALUATED = re.compile(rb'"tokens_evaluated"\s*:\s*(\d+)')
 _PREDICTED = re.compile(rb'"tokens_predicted"\s*:\s*(\d+)')
 
 
-def usage_from_body(body: bytes) -> tuple[int | None, int | None]:
+def usage_from_body(body: bytes, samples: int = 1) -> tuple[int | None, int | None]:
     """Token counts from a non-streaming answer: OpenAI's ``usage``, SGLang's
     ``meta_info`` (the same two names) or llama.cpp's own ``tokens_evaluated``
     and ``tokens_predicted``, when it has them.
@@ -245,10 +250,11 @@ def usage_from_body(body: bytes) -> tuple[int | None, int | None]:
     A scan for the fields instead of decoding the whole JSON document: the
     relay does this for every answer, and only these numbers matter. A name
     in quotes cannot come from a string value, where quotes are escaped. A
-    batch answer (a JSON array, one answer per prompt) counts all its answers.
+    batch answer (a JSON array, one answer per prompt) counts all its answers,
+    each prompt once however many ``samples`` it was asked for.
     """
     if is_batch(body):
-        return batch_usage(body)
+        return batch_usage(body, samples)
     if b'"usage"' in body or b'"meta_info"' in body:
         prompt, completion = _PROMPT_TOKENS.search(body), _COMPLETION_TOKENS.search(body)
     elif b'"tokens_predicted"' in body:

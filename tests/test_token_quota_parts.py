@@ -9,6 +9,7 @@ import pytest
 
 from proxy.batch_usage import BatchUsage
 from proxy.clock import FakeClock
+from proxy.engine_routes import samples_per_prompt
 from proxy.ratelimit_headers import go_duration, request_headers, token_headers
 from proxy.sse import SseMeter, usage_from_body
 from proxy.sse_usage import UsageStripper
@@ -322,6 +323,47 @@ def test_meter_sums_a_batch_streams_answers() -> None:
     meter.finish()
     assert meter.first_token_at == 1.0
     assert (meter.input_tokens, meter.output_tokens) == (7, 6)
+
+
+def test_sglang_samples_count_their_prompt_once() -> None:
+    """SGLang's ``n``: answer ``index`` i*n+j is text i's j-th sample, each repeating
+    text i's prompt count; the prompt counts once per text, every sample's output
+    counts (a stream's last events, and a whole JSON array)."""
+    meter = SseMeter(samples=2)
+    for done in (1, 2):
+        for index in range(4):  # two texts (prompts 5 and 7), two samples each
+            meta = {"prompt_tokens": 5 + 2 * (index // 2), "completion_tokens": done}
+            meter.feed(_event({"text": "t", "meta_info": meta, "index": index}), float(done))
+    meter.finish()
+    assert (meter.input_tokens, meter.output_tokens) == (5 + 7, 4 * 2)
+    items = [
+        b'{"text":"a","meta_info":{"prompt_tokens":%d,"completion_tokens":2}}' % prompt
+        for prompt in (5, 5, 7, 7)
+    ]
+    body = b"[" + b",".join(items) + b"]"
+    assert usage_from_body(body, samples=2) == (5 + 7, 4 * 2)
+    assert usage_from_body(body) == (5 + 5 + 7 + 7, 4 * 2)  # samples of 1: each its own
+    for size in (1, 5, 33):  # read as the bytes pass, cut anywhere
+        counts = BatchUsage(samples=2)
+        for start in range(0, len(body), size):
+            counts.feed(body[start : start + size])
+        assert counts.finish() == (5 + 7, 4 * 2), size
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        ({"text": "a", "sampling_params": {"n": 3}}, 3),
+        ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}, 2),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 3}}, 1),
+        ({"prompt": "a", "n": 4}, 1),  # OpenAI's n: one usage for all choices
+        ({"text": "a", "sampling_params": []}, 1),
+        ({"text": "a", "sampling_params": {"n": True}}, 1),
+        (None, 1),
+    ],
+)
+def test_samples_per_prompt(doc: Any, expected: int) -> None:
+    assert samples_per_prompt(doc) == expected
 
 
 def test_meter_sums_sglang_batch_answers() -> None:

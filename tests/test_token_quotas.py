@@ -98,9 +98,13 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 async def _sglang_generate(request: web.Request) -> web.StreamResponse:
     """SGLang's ``/generate``: a list of texts is a batch, answered with a JSON array (or a
     stream interleaving the answers by ``index``), each with its ``meta_info`` counts:
-    5 prompt tokens per text, ``sampling_params.max_new_tokens`` generated."""
+    5 prompt tokens per text, ``sampling_params.max_new_tokens`` generated; with
+    ``sampling_params.n`` each text is answered ``n`` times (index text * n + sample),
+    every answer repeating its text's prompt count, as SGLang does."""
     body = await request.json()
+    samples = int(body["sampling_params"].get("n", 1))
     texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
+    answered = len(texts) * samples
     n = int(body["sampling_params"]["max_new_tokens"])
 
     def answer(index: int, done: int) -> dict[str, Any]:
@@ -109,12 +113,13 @@ async def _sglang_generate(request: web.Request) -> web.StreamResponse:
         return {"text": "t" * done, "meta_info": meta, "index": index}
 
     if not body.get("stream"):
-        answers = [answer(index, n) for index in range(len(texts))]
-        return web.json_response(answers if isinstance(body["text"], list) else answers[0])
+        answers = [answer(index, n) for index in range(answered)]
+        batch = isinstance(body["text"], list) or samples > 1
+        return web.json_response(answers if batch else answers[0])
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for done in range(1, n + 1):
-        for index in reversed(range(len(texts))):
+        for index in reversed(range(answered)):
             await response.write(b"data: " + json.dumps(answer(index, done)).encode() + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -473,20 +478,28 @@ async def test_every_route_an_engine_spends_tokens_on_is_charged(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("texts", [1, 3])
+@pytest.mark.parametrize(("texts", "samples"), [(1, 1), (3, 1), (1, 3), (2, 3)])
 async def test_sglang_batch_is_charged_every_answer(
-    start_proxy: Start, engine_url: str, clock: FakeClock, stream: bool, texts: int
+    start_proxy: Start,
+    engine_url: str,
+    clock: FakeClock,
+    stream: bool,
+    texts: int,
+    samples: int,
 ) -> None:
-    """SGLang's ``/generate`` with a list of texts answers each: charged its
-    ``max_new_tokens`` per text at admission and settled to the sum of every answer's
-    ``meta_info`` (a stream: each answer's last counts). It was charged one text's
-    output and settled to one answer's counts."""
+    """SGLang's ``/generate`` with a list of texts answers each, ``n`` times each:
+    charged its ``max_new_tokens`` per answer at admission and settled to every
+    answer's generated tokens plus each text's prompt once (``meta_info``; a stream:
+    each answer's last counts). It was charged one text's output and settled to one
+    answer's counts; then, with ``n``, each text's prompt was charged ``n`` times
+    (SGLang prefills it once, and its own OpenAI usage counts it once)."""
     log = io.StringIO()
     proxy = await start_proxy(
         quota_config(engine_url, {"per_day": 10_000}), quota_clock=clock, access_log=log
     )
     text: Any = [f"text {i}" for i in range(texts)] if texts > 1 else "text"
-    body = {"text": text, "sampling_params": {"max_new_tokens": 4}, "stream": stream}
+    sampling = {"max_new_tokens": 4} | ({"n": samples} if samples > 1 else {})
+    body = {"text": text, "sampling_params": sampling, "stream": stream}
     async with proxy.client.post(
         "/generate", json=body, headers={"Authorization": f"Bearer {KEY_A}"}
     ) as response:
@@ -494,9 +507,10 @@ async def test_sglang_batch_is_charged_every_answer(
         await response.read()
     await wait_for(lambda: bool(log.getvalue()))
     line = json.loads(log.getvalue())
-    assert line["quota_charged_tokens"] == estimate_of(body, 4 * texts)
-    assert (line["input_tokens"], line["output_tokens"]) == (5 * texts, 4 * texts)
-    assert line["quota_actual_tokens"] == 5 * texts + 4 * texts
+    answers = texts * samples
+    assert line["quota_charged_tokens"] == estimate_of(body, 4 * answers)
+    assert (line["input_tokens"], line["output_tokens"]) == (5 * texts, 4 * answers)
+    assert line["quota_actual_tokens"] == 5 * texts + 4 * answers
     if stream:
         assert line["ttft_ms"] is not None
     proxy.assert_idle()
