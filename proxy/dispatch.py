@@ -26,7 +26,10 @@ locally (a replica's ``shared_full``, a tenant blocked in the scheduler)
 until ``freed`` says it may have freed, and puts the ticket back in its
 queue, its scheduling charge refunded. A seat refused although free (another
 tenant's fair turn there, ``Blocked.turn``) holds off only the tenant refused,
-and only on that replica (``_turn_refused``).
+and only on that replica (``_turn_refused``). A refusal leaves the tenant
+recorded as waiting in Redis; it is withdrawn once the tenant has nothing
+queued here for that replica (``_stop_waiting``). The replica is checked
+again after the Redis call (``_serves``): the fleet may have changed meanwhile.
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ class Dispatcher:
         #: the scheduler until a seat may have freed for them (``_lift_turns``) or a retry
         #: time (``_turn_over``).
         self._turn_blocked: dict[str, set[str | None]] = {}
+        #: Seat calls to Redis in flight, per (tenant, model pool): the tenant still wants
+        #: a seat of that pool, as if queued (``_stop_waiting``).
+        self._asking: dict[tuple[str, str | None], int] = {}
 
     # -- configuration -----------------------------------------------------------------
 
@@ -282,10 +288,14 @@ class Dispatcher:
         """Suspend until ``ticket`` holds a seat (and its shared places); raises its
         rejection otherwise. In observe mode the shared places are not taken: nothing
         may wait or be refused there, and a full shared place would requeue it."""
-        while True:
-            seat = ticket.seat if ticket.seat is not None else await self._wait_local(ticket)
-            if self.shared is None or self._observing or await self._take_shared(ticket, seat):
-                return seat
+        try:
+            while True:
+                seat = ticket.seat if ticket.seat is not None else await self._wait_local(ticket)
+                if self.shared is None or self._observing or await self._take_shared(ticket, seat):
+                    return seat
+        finally:
+            if self.shared is not None:
+                self._stop_waiting(ticket.tenant)
 
     async def _wait_local(self, ticket: Ticket) -> Seat:
         assert ticket.future is not None
@@ -326,8 +336,12 @@ class Dispatcher:
                 self.release(seat)
                 raise
             if not isinstance(answer, Blocked):
-                seat.lease = answer.seat
-                return seat
+                if self._serves(replica, model):
+                    seat.lease = answer.seat
+                    return seat
+                seat.released = True  # the fleet changed during the call: seat back
+                self._free(replica, answer.seat)
+                continue
             seat.released = True
             self._hold_off(answer)
             self._free(replica)
@@ -342,6 +356,8 @@ class Dispatcher:
         weight = limits.weight if limits is not None else 1.0
         replica = seat.replica
         seats = replica.limit + (replica.headroom if seat.headroom else 0)
+        asking = (ticket.tenant, ticket.model)
+        self._asking[asking] = self._asking.get(asking, 0) + 1
         try:
             answer = await self.shared.take(
                 ticket.tenant, cap, replica.name, seats, weight, headroom=seat.headroom
@@ -350,9 +366,25 @@ class Dispatcher:
             self._ungrant(ticket, seat)
             self.pump()
             raise
+        finally:
+            if self._asking[asking] == 1:
+                del self._asking[asking]
+            else:
+                self._asking[asking] -= 1
         if not isinstance(answer, Blocked):
-            ticket.place, seat.lease = answer.place, answer.seat
-            return True
+            if self._serves(replica, ticket.model):
+                ticket.place, seat.lease = answer.place, answer.seat
+                return True
+            # The fleet changed during the call (discovery lost the model there, a
+            # reload removed the replica): the engine would answer 404. Places back,
+            # and the ticket goes where its model is served now, or gets the entrance's
+            # answer (``_requeue``: 404 ``model_not_found`` when no replica lists it).
+            for handle in (answer.place, answer.seat):
+                if handle is not None:
+                    self.shared.give_back(handle)
+            self._ungrant(ticket, seat)
+            self._requeue(ticket)
+            return False
         self._ungrant(ticket, seat)
         if answer.turn:
             self._turn_refused(ticket, answer)
@@ -371,6 +403,38 @@ class Dispatcher:
             self._hold_if_avoiding(ticket)  # the seat it took instead was full elsewhere
         self._requeue(ticket)
         return False
+
+    def _serves(self, replica: Replica, model: str | None) -> bool:
+        """``replica`` is still in the fleet and in ``model``'s pool: checked after the
+        seat's Redis call, during which discovery or a reload may have taken it away
+        (the pump checked before it)."""
+        if replica.retired or self.pool.get(replica.name) is not replica:
+            return False
+        members = self.seats.members(model)
+        return members is None or replica.name in members
+
+    def _stop_waiting(self, tenant: str) -> None:
+        """A ticket of ``tenant`` left the queue (seated, refused, expired, its client
+        gone): where a refused seat recorded the tenant as waiting in Redis and it has
+        nothing queued (nor a seat call in flight) for a pool of that replica any more,
+        the entry goes now. Left to expire, it refused other instances' tenants their
+        turn for a tenant that no longer waited (for up to ``WAITING_MS``). A tenant
+        never refused costs one dict lookup."""
+        assert self.shared is not None
+        replicas = self.shared.waiting_at(tenant)
+        if not replicas:
+            return
+        models = {m for m in self.scheduler.waiting_models() if self.scheduler.of(m).depth(tenant)}
+        models.update(model for who, model in self._asking if who == tenant)
+        done = [
+            name
+            for name in replicas
+            if not any(
+                (members := self.seats.members(m)) is None or name in members for m in models
+            )
+        ]
+        if done:
+            self.shared.stop_waiting(tenant, done)
 
     def _headroom_instead(self, ticket: Ticket) -> bool:
         """A regular seat refused across the instances: the knee is full, which this

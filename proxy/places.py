@@ -12,6 +12,7 @@ granted ticket's waiter does I/O. No I/O here.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -60,4 +61,16 @@ class SharedPlaces(Protocol):
 
     def give_back(self, handle: object) -> None:
         """A place or seat back; never blocks (released in the background)."""
+        ...
+
+    def waiting_at(self, tenant: str) -> Collection[str]:
+        """Replicas where a seat refused to ``tenant`` lately counts it as waiting (for
+        the other instances' fair turns) on this process's behalf; empty for a tenant
+        not refused (the common case: a dict lookup)."""
+        ...
+
+    def stop_waiting(self, tenant: str, replicas: Iterable[str]) -> None:
+        """``tenant`` has nothing queued here for those replicas any more: it no longer
+        counts as waiting there (or it would refuse others their turn for nothing);
+        never blocks."""
         ...

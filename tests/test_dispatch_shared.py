@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection, Iterable
 
 import pytest
 
@@ -61,6 +62,12 @@ class OtherInstances:
         assert isinstance(handle, str)
         self.held[handle] -= 1
         self.given_back.append(handle)
+
+    def waiting_at(self, tenant: str) -> Collection[str]:
+        return ()  # no fair turn kept here
+
+    def stop_waiting(self, tenant: str, replicas: Iterable[str]) -> None:
+        raise AssertionError("no tenant waits anywhere here")
 
 
 def make(seats: int = 2, cap: int | None = None) -> tuple[Dispatcher, OtherInstances, FakeClock]:

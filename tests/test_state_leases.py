@@ -352,3 +352,31 @@ async def test_a_headroom_seat_is_taken_outside_the_turn(client: StateClient) ->
     assert isinstance(await store.acquire(SEATS, 4, CHANNEL, headroom), Lease)
     assert isinstance(await store.acquire(SEATS, 4, CHANNEL, headroom), Full)  # all 4 held
     await timed.aclose()
+
+
+async def test_a_process_removes_only_its_own_waiting_entry(client: StateClient) -> None:
+    """a waits at gpu-0 through two processes (each refused it: full). A seat frees and b,
+    holding one, is refused its turn (a's tag is lower). p1 has nothing queued for a any
+    more and removes its entry: a still waits through p2, so b is still refused, and the
+    channel is told (a seat is free and others wait). Once p2's entry goes too, b's turn."""
+    clock = FakeClock(start=6_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    p1, p2 = LeaseStore(timed, "p1", 10_000), LeaseStore(timed, "p2", 10_000)
+    waiting = KEYS.waiting("gpu-0")
+    x = await p1.acquire(SEATS, 2, CHANNEL, _share("x"))
+    assert isinstance(x, Lease) and isinstance(
+        await p1.acquire(SEATS, 2, CHANNEL, _share("b")), Lease
+    )
+    for store in (p1, p2):
+        assert isinstance(await store.acquire(SEATS, 2, CHANNEL, _share("a")), Full)
+    assert await p1.release(x)
+    refused = await p1.acquire(SEATS, 2, CHANNEL, _share("b"))
+    assert isinstance(refused, Full) and refused.turn
+    assert await p1.unwait(SEATS, waiting, "a", 2, CHANNEL) == 2  # removed, others told
+    assert await p1.unwait(SEATS, waiting, "a", 2, CHANNEL) == 0  # nothing left of p1's
+    assert isinstance(await p1.acquire(SEATS, 2, CHANNEL, _share("b")), Full)  # a via p2
+    assert await p2.unwait(SEATS, waiting, "a", 2, CHANNEL) == 2
+    assert isinstance(await p1.acquire(SEATS, 2, CHANNEL, _share("b")), Lease)
+    assert isinstance(await p2.acquire(SEATS, 2, CHANNEL, _share("c")), Full)  # full: waits
+    assert await p2.unwait(SEATS, waiting, "c", 2, CHANNEL) == 1  # nobody else waits
+    await timed.aclose()

@@ -39,7 +39,8 @@ class StateKeys:
         return f"{self._replica(replica)}:seats"
 
     def waiting(self, replica: str) -> str:
-        """ZSET tenant -> expiry (ms): tenants refused a seat of the replica (fair sharing)."""
+        """ZSET ``<tenant>|<instance>`` -> expiry (ms): tenants refused a seat of the replica
+        (fair sharing), one entry per process that asked."""
         return f"{self._replica(replica)}:waiting"
 
     def waiting_weights(self, replica: str) -> str:

@@ -47,19 +47,23 @@ return {1, held + 1, '0'}
 
 #: Acquire of a replica seat with fair sharing across processes: members are
 #: ``<tenant>|<lease id>``; KEYS[2] is the ZSET of tenants refused a seat there
-#: (tenant -> expiry ms), KEYS[3] their weights. A free seat goes to the caller
+#: (``<tenant>|<owner>`` -> expiry ms, one entry per process: a process whose queue
+#: for the tenant empties removes its own, never another's, ``_UNWAIT``), KEYS[3]
+#: their weights (per tenant). A free seat goes to the caller
 #: only when its finish tag, (seats held + 1) / weight, is not above that of any
 #: other waiting tenant (weighted fair queuing over the seats); a refusal records the caller as
 #: waiting for ``wait_ms`` and asks it back within half of that, so a waiter that
 #: is gone stops counting within ``wait_ms``. ARGV[8] ``0``: a headroom seat,
 #: granted whenever one is free (the caller's process found the tenant below its
 #: fair share of recent work, the rule of headroom; the seats held now would count
-#: its headroom seats against it and hand the turn to the flood).
+#: its headroom seats against it and hand the turn to the flood). ARGV[9]: the
+#: owner (the process) whose waiting entry a refusal writes and a grant removes.
 _ACQUIRE_FAIR = """
 local now = now_ms()
 local key, waiting, weights = KEYS[1], KEYS[2], KEYS[3]
 local id, limit, lease_ms = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local tenant, weight, wait_ms = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local mine = tenant .. '|' .. ARGV[9]
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 redis.call('ZREMRANGEBYSCORE', waiting, '-inf', now)
 local held = redis.call('ZCARD', key)
@@ -72,7 +76,8 @@ elseif ARGV[8] ~= '0' then
   local others = redis.call('ZRANGE', waiting, 0, -1)
   local least = nil
   local counts = nil
-  for _, t in ipairs(others) do
+  for _, entry in ipairs(others) do
+    local t = string.match(entry, '^(.*)|') or entry
     if t ~= tenant then
       if counts == nil then
         counts = {}
@@ -90,16 +95,33 @@ elseif ARGV[8] ~= '0' then
   end
 end
 if refuse then
-  redis.call('ZADD', waiting, now + wait_ms, tenant)
+  redis.call('ZADD', waiting, now + wait_ms, mine)
   redis.call('HSET', weights, tenant, ARGV[6])
   redis.call('PEXPIRE', waiting, 2 * wait_ms)
   redis.call('PEXPIRE', weights, 2 * wait_ms)
   return {0, held, tostring(math.min(refuse, math.floor(wait_ms / 2)))}
 end
-redis.call('ZREM', waiting, tenant)
+redis.call('ZREM', waiting, mine)
 redis.call('ZADD', key, now + lease_ms, tenant .. '|' .. id)
 redis.call('PEXPIRE', key, 2 * lease_ms)
 return {1, held + 1, '0'}
+"""
+
+#: A tenant no longer waits for a seat here (this process's queue for it emptied):
+#: its waiting entry (ARGV[2], ``<tenant>|<owner>``) goes now rather than at its
+#: expiry, where it could still refuse other tenants their turn. When others still
+#: wait and a seat is free (below ARGV[3]), the replica's channel (ARGV[4]) is told,
+#: as for a release: a tenant refused its turn for that entry asks again at once.
+#: Returns 0 (no entry), 1 (removed) or 2 (removed and told).
+_UNWAIT = """
+local now = now_ms()
+local waiting, seats = KEYS[1], KEYS[2]
+if redis.call('ZREM', waiting, ARGV[2]) == 0 then return 0 end
+redis.call('ZREMRANGEBYSCORE', waiting, '-inf', now)
+if redis.call('ZCARD', waiting) == 0 then return 1 end
+if redis.call('ZCOUNT', seats, '(' .. now, '+inf') >= tonumber(ARGV[3]) then return 1 end
+redis.call('PUBLISH', ARGV[4], seats)
+return 2
 """
 
 _RELEASE = """
@@ -214,6 +236,7 @@ class LeaseStore:
                     repr(share.weight),
                     share.wait_ms,
                     int(share.turn),
+                    self._owner,
                 ],
             )
             lease_id = f"{share.tenant}|{lease_id}"
@@ -226,6 +249,13 @@ class LeaseStore:
         """Give the place back; False when it was no longer held (expired or lost)."""
         removed = await self._client.run(_RELEASE, [lease.key], [lease.id, lease.channel])
         return bool(removed)
+
+    async def unwait(self, seats: str, waiting: str, tenant: str, limit: int, channel: str) -> int:
+        """Remove this process's entry for ``tenant`` from ``waiting``, the waiting ZSET
+        of the seat key ``seats`` (``_UNWAIT``: 0 none, 1 removed, 2 removed and
+        ``channel`` told, a seat being free below ``limit`` for the others waiting)."""
+        member = f"{tenant}|{self._owner}"
+        return int(await self._client.run(_UNWAIT, [waiting, seats], [member, limit, channel]))
 
     async def renew(self, key: str, lease_ids: Iterable[str]) -> set[str]:
         """Extend every given lease at ``key`` by ``lease_ms``; returns the ids lost."""

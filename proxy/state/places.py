@@ -22,6 +22,13 @@ another process may not have noticed yet, and its requests in flight are not
 in Redis until its keeper restores them, which it does within a renewal
 interval. Until then an empty Redis alone would admit the whole limit again.
 
+A seat refused records the tenant as waiting at the replica (``_ACQUIRE_FAIR``)
+for ``WAITING_MS``, one entry per process. This process remembers which entries
+it wrote (``waiting_at``), so that once the tenant waits for those replicas no
+more here (``stop_waiting``: its queue for their pools emptied) ``run`` removes
+them at once; left to expire, they refused other tenants their turn for a tenant
+that no longer waited. A tenant never refused costs nothing: no entry, no call.
+
 ``heard`` turns a freed channel (pub/sub) into ``on_freed(kind, name)``;
 ``None, None`` means anything may have freed (a resubscription, Redis back).
 """
@@ -31,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 
 from proxy.errors import StateUnavailable
 from proxy.places import Blocked, Held, PlaceKind
@@ -63,6 +70,8 @@ class RedisPlaces:
         "_keys",
         "_pending",
         "_shared_from",
+        "_unwaits",
+        "_waits",
         "_wake",
         "counts",
         "keeper",
@@ -88,6 +97,11 @@ class RedisPlaces:
         keeper.on_restored = self.recovered
         #: Told when a place may have freed (the dispatcher's ``freed``).
         self.on_freed: FreedCallback | None = None
+        #: Waiting entries this process wrote in Redis (a seat refused): tenant ->
+        #: replica -> (when, monotonic; the seat limit it asked under).
+        self._waits: dict[str, dict[str, tuple[float, int]]] = {}
+        #: Of those, the ones to remove (``stop_waiting``), sent by ``run``.
+        self._unwaits: dict[tuple[str, str], tuple[float, int]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -148,7 +162,9 @@ class RedisPlaces:
             if place is None:
                 got = await self.store.acquire(seat.key, seat.limit, seat.channel, seat.share)
                 if isinstance(got, Full):
+                    self._waited(tenant, replica, seats)
                     return Blocked("replica", replica, got.retry_in_s, got.turn)
+                self._seated(tenant, replica)
                 return self._held(None, got)
             pair = await acquire_pair(self.store, place, seat)
         except StateDown as down:
@@ -160,7 +176,10 @@ class RedisPlaces:
         if isinstance(pair, Refused):
             kind: PlaceKind = "tenant" if pair.which == 0 else "replica"
             name = tenant if pair.which == 0 else replica
+            if pair.which == 1:
+                self._waited(tenant, replica, seats)
             return Blocked(kind, name, pair.full.retry_in_s, pair.full.turn)
+        self._seated(tenant, replica)
         return self._held(*pair)
 
     def _count(self, keys: list[str], step: int) -> None:
@@ -173,6 +192,71 @@ class RedisPlaces:
 
     async def take_seat(self, replica: str, seats: int) -> Held | Blocked:
         return await self.take("", None, replica, seats)
+
+    # -- waiting entries ---------------------------------------------------------------
+
+    def _waited(self, tenant: str, replica: str, seats: int) -> None:
+        """Redis refused ``tenant`` a seat of ``replica``: it wrote our waiting entry."""
+        if tenant:
+            self._waits.setdefault(tenant, {})[replica] = (time.monotonic(), seats)
+            self._unwaits.pop((tenant, replica), None)
+
+    def _seated(self, tenant: str, replica: str) -> None:
+        """A seat granted: the script removed our waiting entry there."""
+        waits = self._waits.get(tenant)
+        if waits is not None and waits.pop(replica, None) is not None and not waits:
+            del self._waits[tenant]
+        self._unwaits.pop((tenant, replica), None)
+
+    def waiting_at(self, tenant: str) -> Collection[str]:
+        """Replicas where ``tenant`` has a waiting entry of this process not yet expired
+        (forgetting those that expired by themselves)."""
+        waits = self._waits.get(tenant)
+        if not waits:
+            return ()
+        oldest = time.monotonic() - WAITING_MS / 1000
+        for replica in [r for r, (at, _) in waits.items() if at <= oldest]:
+            del waits[replica]
+        if not waits:
+            del self._waits[tenant]
+        return tuple(waits)
+
+    def stop_waiting(self, tenant: str, replicas: Iterable[str]) -> None:
+        """``tenant`` waits no more here for those replicas' seats: remove its entries
+        there in the background (``run``); never blocks."""
+        waits = self._waits.get(tenant)
+        if not waits:
+            return
+        for replica in replicas:
+            made = waits.pop(replica, None)
+            if made is not None:
+                self._unwaits[(tenant, replica)] = made
+        if not waits:
+            del self._waits[tenant]
+        if self._unwaits:
+            self._wake.set()
+
+    async def _flush_unwaits(self) -> None:
+        """Send the removals pending now; one that fails is tried again until the entry
+        would have expired anyway. An entry written again since (a new refusal) stays."""
+        if not self._unwaits:
+            return
+        batch, self._unwaits = list(self._unwaits.items()), {}
+        oldest = time.monotonic() - WAITING_MS / 1000
+        for index, ((tenant, replica), (at, seats)) in enumerate(batch):
+            if at <= oldest or replica in self._waits.get(tenant, {}):
+                continue  # expired, or refused again: it waits there once more
+            try:
+                await self.store.unwait(
+                    self._keys.seats(replica), self._keys.waiting(replica), tenant, seats,
+                    self.replica_channel(replica),
+                )  # fmt: skip
+            except StateDown:
+                self._unwaits.setdefault((tenant, replica), (at, seats))
+            except BaseException:
+                for key, made in batch[index:]:
+                    self._unwaits.setdefault(key, made)
+                raise
 
     def _take_locally(
         self, down: StateDown, tenant: str, place: Want | None, replica: str, seat: Want
@@ -245,7 +329,8 @@ class RedisPlaces:
             await self._wake.wait()
             self._wake.clear()
             await self._flush()
-            if self._pending:
+            await self._flush_unwaits()
+            if self._pending or self._unwaits:
                 await asyncio.sleep(RELEASE_RETRY_S)
                 self._wake.set()
 
@@ -253,3 +338,4 @@ class RedisPlaces:
         """Shutting down: one last try at the pending releases."""
         with contextlib.suppress(StateDown):
             await self._flush()
+            await self._flush_unwaits()
