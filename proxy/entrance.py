@@ -35,6 +35,7 @@ from multidict import CIMultiDictProxy
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted, Deadline
 from proxy.affinity import affinity_key
+from proxy.config_tenants import TenantConfig
 from proxy.degrade import DEGRADED_HEADER, MAX_TOKENS, cap_max_tokens
 from proxy.engine_routes import (
     INFERENCE_PATHS,
@@ -63,7 +64,8 @@ from proxy.exchange import Exchange
 from proxy.models import ModelRefusal
 from proxy.observe import would
 from proxy.paths import forwardable, normalise_path
-from proxy.quota_gate import admit_tokens, refusal_headers, settle, settled_headers
+from proxy.quota_gate import TokenGate, admit_tokens, refusal_headers, settle, settled_headers
+from proxy.quotas import RateTake
 from proxy.record import RequestRecord
 from proxy.runtime import RUNTIME, Rules, Runtime
 from proxy.settings import ANONYMOUS_REJECT, hash_api_key
@@ -328,16 +330,23 @@ async def _admit(
     gate = None
     limited = tenant_config.token_quota.enabled or tenant_config.rate_per_s is not None
     if route in METERED_PATHS and not seatless and limited:
-        try:
-            gate = await admit_tokens(
-                runtime.token_quotas, rate, tenant, tenant_config, route, doc, body,
-                expected_output, model,
-            )  # fmt: skip
-        except TokenQuotaExceeded:
-            if config.mode != "observe":
-                raise
-            # Observed, not refused: forwarded uncharged, as enforcing would charge nothing.
-            record.observed = record.observed or would(TokenQuotaExceeded.reason)
+        if record.observed is not None:
+            # Observed over its rate: enforcing refuses it before the quota, so it is not
+            # charged (the quota keeps enforcing's numbers for the requests after it).
+            gate = await _uncharged(body, runtime, rate, tenant, tenant_config)
+        else:
+            try:
+                gate = await admit_tokens(
+                    runtime.token_quotas, rate, tenant, tenant_config, route, doc, body,
+                    expected_output, model,
+                )  # fmt: skip
+            except TokenQuotaExceeded:
+                if config.mode != "observe":
+                    raise
+                # Observed, not refused: forwarded uncharged, as enforcing would charge
+                # nothing; its answer carries the headers enforcing's refusal would.
+                record.observed = would(TokenQuotaExceeded.reason)
+                gate = await _uncharged(body, runtime, rate, tenant, tenant_config)
         if gate is not None:
             body = gate.body
             if gate.held is not None:
@@ -363,6 +372,18 @@ async def _admit(
         strip_usage=gate is not None and gate.strip_usage,
         ratelimit=gate.headers if gate is not None else None,
     )
+
+
+async def _uncharged(
+    body: bytes, runtime: Runtime, rate: RateTake | None, tenant: str, config: TenantConfig
+) -> TokenGate:
+    """Observe mode: a request forwarded uncharged, with the ``x-ratelimit-*`` headers
+    enforcing's refusal would carry."""
+    try:
+        headers = await refusal_headers(runtime.token_quotas, rate, tenant, config)
+    except ProxyError:
+        headers = {}  # the quota store failed: forwarded without its figures, never a 500
+    return TokenGate(body, headers=headers)
 
 
 def _degrading(priority: str, rules: Rules, runtime: Runtime) -> bool:
