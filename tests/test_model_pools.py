@@ -988,6 +988,21 @@ async def test_prefix_affinity_end_to_end_by_header(
     proxy.assert_idle()
 
 
+async def test_every_served_model_has_a_queue_depth_series_before_any_request(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Two pools, nothing sent yet: /metrics has admission_model_queue_depth 0 for each
+    (as /admin/state's pools do), so a dashboard, an autoscaler or the load test's
+    pool check reads 0, not a missing series, for a pool that never queued."""
+    url0, _ = await start_replica(aiohttp_server, ["llama"])
+    url1, _ = await start_replica(aiohttp_server, ["qwen"])
+    proxy = await start_proxy(pooled_config([url0, url1], [["llama"], ["qwen"]]))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert 'admission_model_queue_depth{model="llama"} 0.0' in metrics
+    assert 'admission_model_queue_depth{model="qwen"} 0.0' in metrics
+
+
 async def test_model_metrics_state_log_and_span(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:
