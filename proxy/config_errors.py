@@ -200,17 +200,25 @@ def issues_from_validation_error(
     return issues
 
 
+#: Pydantic's error types for a value that is not a sequence (the config holds tuples).
+_SEQUENCE_TYPES = frozenset({"tuple_type", "list_type", "set_type", "frozen_set_type"})
+
+
 def _plain_message(kind: str, message: str, value: object, loc: Loc) -> str:
     if kind == "extra_forbidden":
         return "unknown key"
     if kind == "missing":
         return "required key is missing"
+    secret = any(part in _SECRET_KEYS for part in loc)
+    if kind in _SEQUENCE_TYPES:  # pydantic says "tuple": YAML has lists
+        message = "input should be a list"
+        if isinstance(value, str) and not secret:
+            message += f", such as [{value}]"  # one name given where a list is wanted
     if kind != RULE_ERROR_TYPE:
         message = message.removeprefix("Value error, ")
         message = message[:1].lower() + message[1:]
     elif value is None:  # a cross-field rule: its message says it all
         return message
-    secret = any(part in _SECRET_KEYS for part in loc)
     if not secret and (value is None or isinstance(value, str | int | float | bool)):
         message += f" (got {value!r})"
     return message

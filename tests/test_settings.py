@@ -230,6 +230,11 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
     ),
     ("wrong type", {"server": {"port": "http"}}, {"server.port": "valid integer"}),
     ("wrong type for section", {"server": 5}, {"server": "valid dictionary"}),
+    (
+        "one name where a list is wanted",
+        {"replicas": [{**BASE["replicas"][0], "models": "llama-8b"}]},
+        {"replicas[0].models": "input should be a list, such as [llama-8b]"},
+    ),
     ("port out of range", {"server": {"port": 70000}}, {"server.port": "less than or equal"}),
     ("zero body limit", {"server": {"max_body_bytes": 0}}, {"server.max_body_bytes": "greater"}),
     ("replicas missing", {"replicas": DELETE}, {"replicas": "required"}),
@@ -391,7 +396,7 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
     (
         "allowed models not a list",
         {"tenants": {"acme": {"allowed_models": "llama-8b"}}},
-        {"tenants.acme.allowed_models": "valid"},
+        {"tenants.acme.allowed_models": "input should be a list, such as [llama-8b]"},
     ),
     (
         "allowed model served by no static replica and no alias",
