@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from proxy.cli import main
 from proxy.loadtest.phases import PhasesPlan, run_phases
@@ -83,7 +84,13 @@ async def test_staircase_with_model_loads_only_that_pool(
     assert all(level.idle_at_start is True for level in result.levels)
     write_staircase_report(result, tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["model"] == "beta"
-    assert "model `beta`" in (tmp_path / "report.md").read_text()
+    markdown = (tmp_path / "report.md").read_text()
+    assert "model `beta`" in markdown
+    # Measured through the proxy: no replica entry whose url is the proxy's own (pasted
+    # into the config, the proxy would forward to itself), but what the figure is.
+    snippet = markdown.split("```yaml\n")[1].split("```")[0]
+    assert yaml.safe_load(snippet) is None and proxy.url not in snippet
+    assert "through the proxy" in snippet
 
 
 async def test_staircase_through_an_alias_measures_its_pool(
