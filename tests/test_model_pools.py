@@ -988,6 +988,29 @@ async def test_prefix_affinity_end_to_end_by_header(
     proxy.assert_idle()
 
 
+async def test_a_pool_with_no_usable_replica_is_named_in_the_refusal(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """qwen's only replica drained, llama's serving: a qwen request is 503
+    no_healthy_replica whose message names the pool (not "every replica", which
+    an operator looking at serving replicas cannot square with the answer)."""
+    url0, _ = await start_replica(aiohttp_server, ["llama"])
+    url1, _ = await start_replica(aiohttp_server, ["qwen"])
+    proxy = await start_proxy(pooled_config([url0, url1], [["llama"], ["qwen"]]))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    assert (await proxy.client.post("/admin/replicas/r1/drain")).status == 200
+    resp = await proxy.client.post(COMPLETIONS, json={"model": "qwen"}, headers=AUTH_A)
+    assert resp.status == 503 and resp.headers["X-Admission-Reason"] == "no_healthy_replica"
+    message = (await resp.json())["error"]["message"]
+    assert message == "every replica serving model 'qwen' is ejected or drained"
+    seatless = await proxy.client.post("/tokenize", json={"model": "qwen"}, headers=AUTH_A)
+    assert seatless.status == 503
+    assert (await seatless.json())["error"]["message"] == "no replica of model 'qwen' is serving"
+    ok = await proxy.client.post(COMPLETIONS, json={"model": "llama"}, headers=AUTH_A)
+    assert ok.status == 200
+    proxy.assert_idle()
+
+
 async def test_every_served_model_has_a_queue_depth_series_before_any_request(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:
