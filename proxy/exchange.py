@@ -113,7 +113,7 @@ class Exchange:
                 which = "" if model is None else f" of model {model!r}"
                 raise NoHealthyReplica(
                     f"no replica{which} is serving",
-                    retry_after_s=runtime.health.earliest_return_s(),
+                    retry_after_s=runtime.health.earliest_return_s(self.admitted.pool),
                 )
             self.record.dispatched_at = runtime.clock.now()
             return await self._relay(await self._send_single_attempt(replica))
@@ -155,7 +155,7 @@ class Exchange:
             which = "" if admitted.model is None else f" serving model {admitted.model!r}"
             raise NoHealthyReplica(
                 f"every replica{which} is ejected or drained",
-                retry_after_s=runtime.health.earliest_return_s(),
+                retry_after_s=runtime.health.earliest_return_s(admitted.pool),
             )
         dispatcher = runtime.dispatcher
         flow = (admitted.tenant, admitted.priority, admitted.cost, admitted.deadline)
