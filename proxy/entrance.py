@@ -308,7 +308,7 @@ async def _admit(
     if doc is None and not inference and (body or method not in ("GET", "HEAD")) and not listing:
         routed = _model_document(body, runtime)  # any other route's model picks its pool too
     model, pool, body = _choose_pool(routed, body, tenant_config.allowed_models, runtime, record)
-    if doc is not None and _degrading(priority, rules, runtime):
+    if doc is not None and _degrading(priority, model, rules, runtime):
         capped = cap_max_tokens(doc, route, config.overload.max_tokens_cap or 0)
         if capped is not None:
             if model is not None and "model" in capped:
@@ -386,16 +386,17 @@ async def _uncharged(
     return TokenGate(body, headers=headers)
 
 
-def _degrading(priority: str, rules: Rules, runtime: Runtime) -> bool:
+def _degrading(priority: str, model: str | None, rules: Rules, runtime: Runtime) -> bool:
     """``overload``: a listed class whose budget pressure is past ``at`` (enforce mode
-    only: observe mode changes no request)."""
+    only: observe mode changes no request); with model pools, its pressure within the
+    request's pool, whose queue it waits in."""
     config = rules.config
     overload = config.overload
     return (
         overload.max_tokens_cap is not None
         and priority in overload.classes
         and config.mode == "enforce"
-        and runtime.dispatcher.pressure.of(priority) > overload.at
+        and runtime.dispatcher.pressure.of(priority, model) > overload.at
     )
 
 
