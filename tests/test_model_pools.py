@@ -170,6 +170,20 @@ async def test_model_refusals_carry_the_error_and_take_no_seat(
     proxy.assert_idle()
 
 
+async def test_a_body_without_model_is_told_where_to_find_one(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Two pools; tenant b may use qwen only. A body naming no model is 400, told to
+    set one from GET /v1/models, and not told how many models the fleet serves (b's
+    list shows one: the count was of models it may not see)."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    resp = await proxy.client.post(COMPLETIONS, json={"prompt": "x"}, headers=AUTH_B)
+    assert resp.status == 400 and llama.bodies == [] and qwen.bodies == []
+    message = (await resp.json())["error"]["message"]
+    assert message == "the request names no model: set model to one GET /v1/models lists"
+    proxy.assert_idle()
+
+
 async def test_model_refusals_echo_nothing_the_client_sent(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:
