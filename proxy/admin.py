@@ -84,9 +84,12 @@ def state_snapshot(runtime: Runtime) -> StateSnapshot:
         headroom[label] = headroom.get(label, 0) + value
     model_labels = runtime.telemetry.model_labels
     by_model: dict[str, int] = {}
-    for model, value in runtime.dispatcher.scheduler.depth_by_model().items():
+    depths = runtime.dispatcher.scheduler.depth_by_model()
+    # Every served model has its series (0 until a ticket waits), as /admin/state's pools.
+    served = runtime.models.served_models() if runtime.models.pooled else frozenset()
+    for model in sorted(served | depths.keys()):
         label = model_labels(model)
-        by_model[label] = by_model.get(label, 0) + value
+        by_model[label] = by_model.get(label, 0) + depths.get(model, 0)
     quota: dict[tuple[str, str], int] = {}
     for (name, window), value in runtime.token_quotas.remaining_by_window(
         quota_limits(runtime)

@@ -136,11 +136,20 @@ def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
 
 
 def format_path(loc: Sequence[int | str]) -> str:
-    """A pydantic ``loc`` as a YAML path: ``("replicas", 0, "url")`` is ``replicas[0].url``."""
+    """A pydantic ``loc`` as a YAML path: ``("replicas", 0, "url")`` is ``replicas[0].url``.
+
+    A mapping key that is empty or holds whitespace is quoted (``tenants['be ta']``),
+    and pydantic's ``[key]`` marker, an error in the key itself rather than its
+    value, reads `` (key)``.
+    """
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
+        elif part == "[key]":
+            path += " (key)"
+        elif not part or any(c.isspace() for c in part):
+            path += f"[{part!r}]"
         else:
             path += f".{part}" if path else part
     return path or "<root>"
@@ -162,7 +171,7 @@ def with_rule_violations(
     """``exc`` with more cross-field problems appended, its own errors kept as they were."""
     details = [
         InitErrorDetails(
-            type=PydanticCustomError(error["type"], error["msg"]),
+            type=PydanticCustomError(error["type"], error["msg"], error.get("ctx")),
             loc=tuple(error["loc"]),
             input=error.get("input"),
         )
@@ -191,7 +200,9 @@ def issues_from_validation_error(
     issues = []
     for error in exc.errors(include_url=False):
         loc = tuple(error["loc"])
-        message = _plain_message(error["type"], error["msg"], error.get("input"), loc)
+        message = _plain_message(
+            error["type"], error["msg"], error.get("input"), loc, error.get("ctx")
+        )
         if env_prefix:
             variable = _env_variable(loc, env_prefix, env_delimiter, env_names)
             if variable is not None:
@@ -200,17 +211,40 @@ def issues_from_validation_error(
     return issues
 
 
-def _plain_message(kind: str, message: str, value: object, loc: Loc) -> str:
+#: Pydantic's error types for a value that is not a sequence (the config holds tuples).
+_SEQUENCE_TYPES = frozenset({"tuple_type", "list_type", "set_type", "frozen_set_type"})
+
+
+#: The config's name patterns in words (pydantic quotes the regular expression).
+_PATTERNS = {
+    r"^[A-Za-z0-9][A-Za-z0-9_.-]*$": (
+        "use 1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+    ),
+    r"^\S(.*\S)?$": "a model name may not start or end with whitespace",
+    r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$": "a header name: letters, digits and !#$%&'*+.^_`|~- only",
+    r"^[^{}\s]+$": "no '{' or '}' (the proxy adds its own Redis hash tag) and no whitespace",
+}
+
+
+def _plain_message(
+    kind: str, message: str, value: object, loc: Loc, ctx: Mapping[str, Any] | None = None
+) -> str:
+    if kind == "string_pattern_mismatch" and ctx is not None:
+        message = _PATTERNS.get(str(ctx.get("pattern")), message)
     if kind == "extra_forbidden":
         return "unknown key"
     if kind == "missing":
         return "required key is missing"
+    secret = any(part in _SECRET_KEYS for part in loc)
+    if kind in _SEQUENCE_TYPES:  # pydantic says "tuple": YAML has lists
+        message = "input should be a list"
+        if isinstance(value, str) and not secret:
+            message += f", such as [{value}]"  # one name given where a list is wanted
     if kind != RULE_ERROR_TYPE:
         message = message.removeprefix("Value error, ")
         message = message[:1].lower() + message[1:]
     elif value is None:  # a cross-field rule: its message says it all
         return message
-    secret = any(part in _SECRET_KEYS for part in loc)
     if not secret and (value is None or isinstance(value, str | int | float | bool)):
         message += f" (got {value!r})"
     return message

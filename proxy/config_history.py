@@ -50,9 +50,18 @@ class ConfigHistory:
         self._entries: list[ConfigEntry] = []
 
     def applied(self, config: Config, sha256: str) -> ConfigEntry:
-        """``config`` runs now; the oldest entries beyond the limit are forgotten."""
+        """``config`` runs now; the oldest entries beyond the limit are forgotten.
+
+        The running file applied again (a SIGHUP or ``POST /admin/reload`` of an
+        unchanged file) replaces its own entry: as new entries, a few such reloads
+        pushed every earlier config out, and a rollback then changed nothing.
+        """
         entry = ConfigEntry(config, sha256, self._now())
-        self._entries.append(entry)
+        running = self.running
+        if sha256 and running is not None and running.sha256 == sha256:
+            self._entries[-1] = entry
+        else:
+            self._entries.append(entry)
         self.limit = config.config_history
         del self._entries[: max(0, len(self._entries) - self.limit)]
         return entry

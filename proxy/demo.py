@@ -220,7 +220,11 @@ def summary_table(stats: dict[str, TenantStats], config: Config) -> str:
         "|---|---|---:|---:|---|---:|---:|---:|",
     ]
     for tenant, s in stats.items():
-        reasons = ", ".join(f"{r} {n}" for r, n in s.refused.most_common()) or "-"
+        ended = [f"{r} {n}" for r, n in s.refused.most_common()]
+        unfinished = s.sent - s.ok - sum(s.refused.values())
+        if unfinished > 0:  # cut when the demo ended (still queued or running)
+            ended.append(f"unfinished when the demo ended {unfinished}")
+        reasons = ", ".join(ended) or "-"
         rows.append(
             f"| {tenant} | {config.tenants[tenant].priority} | {s.sent} | {s.ok} | {reasons} "
             f"| {_pct(s.latencies, 50)} | {_pct(s.latencies, 95)} | {_pct(s.ttfts, 50)} |"

@@ -268,7 +268,7 @@ class Dispatcher:
             )
         if refusal is not None:
             if isinstance(refusal, PredictedWaitExceedsBudget):
-                self.pressure.refused(priority)
+                self.pressure.refused(priority, model)
             raise refusal
         loop = asyncio.get_running_loop()
         ticket = Ticket(
@@ -830,7 +830,7 @@ class Dispatcher:
             self.seats.affinity.started(seat, ticket.affinity, ticket.cost)
         if ticket.observed != OBSERVED_OVERLOAD:  # counted as a refusal already
             self.pressure.waited(ticket.priority, now - ticket.enqueued_at,
-                                 ticket.expires_at - ticket.enqueued_at)  # fmt: skip
+                                 ticket.expires_at - ticket.enqueued_at, ticket.model)  # fmt: skip
         self.waits.started(
             ticket.id, ticket.tenant, seat.replica, now, priority=ticket.priority,
             model=ticket.model, from_queue=ticket.future is not None,
@@ -919,7 +919,7 @@ class Dispatcher:
         if refusal is not None:
             ticket.observed = would(refusal.reason)
         if isinstance(refusal, PredictedWaitExceedsBudget):
-            self.pressure.refused(priority)
+            self.pressure.refused(priority, model)
         self._overflow.started(ticket.id, tenant)
         self._grant(ticket, self.pool.lease(replica), now)
         return ticket
@@ -955,7 +955,7 @@ class Dispatcher:
             wait_s=lambda: self.waits.retry_after_queue_timeout(tenant, priority, now, model),
         )
         if isinstance(error, QueueTimeout):  # not its own cap: the fleet had no seat in time
-            self.pressure.refused(priority)
+            self.pressure.refused(priority, model)
         return error
 
     def _fail(self, ticket: Ticket, error: Exception) -> None:

@@ -35,6 +35,7 @@ from multidict import CIMultiDictProxy
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted, Deadline
 from proxy.affinity import affinity_key
+from proxy.config_tenants import TenantConfig
 from proxy.degrade import DEGRADED_HEADER, MAX_TOKENS, cap_max_tokens
 from proxy.engine_routes import (
     INFERENCE_PATHS,
@@ -64,7 +65,8 @@ from proxy.exchange import Exchange
 from proxy.models import ModelRefusal
 from proxy.observe import would
 from proxy.paths import forwardable, normalise_path
-from proxy.quota_gate import admit_tokens, refusal_headers, settle, settled_headers
+from proxy.quota_gate import TokenGate, admit_tokens, refusal_headers, settle, settled_headers
+from proxy.quotas import RateTake
 from proxy.record import RequestRecord
 from proxy.runtime import RUNTIME, Rules, Runtime
 from proxy.settings import ANONYMOUS_REJECT, hash_api_key
@@ -308,7 +310,7 @@ async def _admit(
     if doc is None and not inference and (body or method not in ("GET", "HEAD")) and not listing:
         routed = _model_document(body, runtime)  # any other route's model picks its pool too
     model, pool, body = _choose_pool(routed, body, tenant_config.allowed_models, runtime, record)
-    if doc is not None and _degrading(priority, rules, runtime):
+    if doc is not None and _degrading(priority, model, rules, runtime):
         capped = cap_max_tokens(doc, route, config.overload.max_tokens_cap or 0)
         if capped is not None:
             if model is not None and "model" in capped:
@@ -330,16 +332,23 @@ async def _admit(
     gate = None
     limited = tenant_config.token_quota.enabled or tenant_config.rate_per_s is not None
     if route in METERED_PATHS and not seatless and limited:
-        try:
-            gate = await admit_tokens(
-                runtime.token_quotas, rate, tenant, tenant_config, route, doc, body,
-                expected_output, model,
-            )  # fmt: skip
-        except TokenQuotaExceeded:
-            if config.mode != "observe":
-                raise
-            # Observed, not refused: forwarded uncharged, as enforcing would charge nothing.
-            record.observed = record.observed or would(TokenQuotaExceeded.reason)
+        if record.observed is not None:
+            # Observed over its rate: enforcing refuses it before the quota, so it is not
+            # charged (the quota keeps enforcing's numbers for the requests after it).
+            gate = await _uncharged(body, runtime, rate, tenant, tenant_config)
+        else:
+            try:
+                gate = await admit_tokens(
+                    runtime.token_quotas, rate, tenant, tenant_config, route, doc, body,
+                    expected_output, model,
+                )  # fmt: skip
+            except TokenQuotaExceeded:
+                if config.mode != "observe":
+                    raise
+                # Observed, not refused: forwarded uncharged, as enforcing would charge
+                # nothing; its answer carries the headers enforcing's refusal would.
+                record.observed = would(TokenQuotaExceeded.reason)
+                gate = await _uncharged(body, runtime, rate, tenant, tenant_config)
         if gate is not None:
             body = gate.body
             if gate.held is not None:
@@ -367,16 +376,29 @@ async def _admit(
     )
 
 
-def _degrading(priority: str, rules: Rules, runtime: Runtime) -> bool:
+async def _uncharged(
+    body: bytes, runtime: Runtime, rate: RateTake | None, tenant: str, config: TenantConfig
+) -> TokenGate:
+    """Observe mode: a request forwarded uncharged, with the ``x-ratelimit-*`` headers
+    enforcing's refusal would carry."""
+    try:
+        headers = await refusal_headers(runtime.token_quotas, rate, tenant, config)
+    except ProxyError:
+        headers = {}  # the quota store failed: forwarded without its figures, never a 500
+    return TokenGate(body, headers=headers)
+
+
+def _degrading(priority: str, model: str | None, rules: Rules, runtime: Runtime) -> bool:
     """``overload``: a listed class whose budget pressure is past ``at`` (enforce mode
-    only: observe mode changes no request)."""
+    only: observe mode changes no request); with model pools, its pressure within the
+    request's pool, whose queue it waits in."""
     config = rules.config
     overload = config.overload
     return (
         overload.max_tokens_cap is not None
         and priority in overload.classes
         and config.mode == "enforce"
-        and runtime.dispatcher.pressure.of(priority) > overload.at
+        and runtime.dispatcher.pressure.of(priority, model) > overload.at
     )
 
 

@@ -109,8 +109,11 @@ class Exchange:
         if self.admitted.seatless:
             replica = runtime.pool.choose_any(self.admitted.pool)
             if replica is None:
+                model = self.admitted.model
+                which = "" if model is None else f" of model {model!r}"
                 raise NoHealthyReplica(
-                    "no replica is serving", retry_after_s=runtime.health.earliest_return_s()
+                    f"no replica{which} is serving",
+                    retry_after_s=runtime.health.earliest_return_s(self.admitted.pool),
                 )
             self.record.dispatched_at = runtime.clock.now()
             return await self._relay(await self._send_single_attempt(replica))
@@ -148,9 +151,11 @@ class Exchange:
         if runtime.shutting_down:
             raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
         if not runtime.pool.any_usable(admitted.pool):
+            # Name the pool: other models' replicas may well be serving.
+            which = "" if admitted.model is None else f" serving model {admitted.model!r}"
             raise NoHealthyReplica(
-                "every replica is ejected or drained",
-                retry_after_s=runtime.health.earliest_return_s(),
+                f"every replica{which} is ejected or drained",
+                retry_after_s=runtime.health.earliest_return_s(admitted.pool),
             )
         dispatcher = runtime.dispatcher
         flow = (admitted.tenant, admitted.priority, admitted.cost, admitted.deadline)

@@ -190,15 +190,18 @@ class Health:
             replica.move_to(ReplicaState.SERVING)
             log.info("replica started", replica=replica.name)
 
-    def earliest_return_s(self) -> float:
+    def earliest_return_s(self, among: frozenset[str] | None = None) -> float:
         """Seconds until the first ejection ends (Retry-After of no_healthy_replica).
 
-        A starting replica may come up at its next probe: one interval.
+        ``among``: the replicas of the request's model pool (None: every one); another
+        pool's replica coming back serves none of its requests. A starting replica
+        may come up at its next probe: one interval.
         """
         now = self._clock.now()
-        waits = [r.ejected_until - now for r in self._pool.replicas if r.ejected]
+        replicas = [r for r in self._pool.replicas if among is None or r.name in among]
+        waits = [r.ejected_until - now for r in replicas if r.ejected]
         interval = self._config.health.interval_ms / 1000.0
-        if any(r.starting for r in self._pool.replicas):
+        if any(r.starting for r in replicas):
             return interval
         return max(interval, min(waits)) if waits else interval
 

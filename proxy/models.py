@@ -331,7 +331,7 @@ class ModelTable:
         if model is None:
             served = self.served_models()
             if len(served) != 1:
-                message = f"the request names no model and {len(served)} are served: set model"
+                message = "the request names no model: set model to one GET /v1/models lists"
                 return ModelRefusal("bad_request", message)
             (model,) = served
         if not isinstance(model, str):

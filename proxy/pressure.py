@@ -15,7 +15,10 @@ counted either (its wait says nothing about the budget).
 
 It is the autoscaling signal (docs/DEPLOYMENT.md) and the trigger of
 ``overload.max_tokens_cap`` (``degrade.py``): it rises as soon as waits
-take a growing share of the budget, well before queues time out.
+take a growing share of the budget, well before queues time out. With model
+pools each sample is also kept per (class, model): a request is degraded by
+its own pool's pressure, since each pool has its own queue and one congested
+model must not shorten an idle one's answers. The gauge stays per class.
 
 The window is 30 one-second slices of fixed ratio buckets (0.01 wide, and
 one bucket for "used up"), with running totals, so recording is O(1) and a
@@ -90,30 +93,57 @@ class BudgetPressure:
     >>> pressure.of("batch")                                    # 0.0 .. 1.0
     """
 
-    __slots__ = ("_clock", "_windows")
+    __slots__ = ("_clock", "_pools", "_swept", "_windows")
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._windows: dict[str, _Window] = {}
+        #: Per (class, model pool); a window left empty is dropped (models come and go).
+        self._pools: dict[tuple[str, str], _Window] = {}
+        self._swept = 0
 
-    def waited(self, priority: str, waited_s: float, budget_s: float) -> None:
+    def waited(
+        self, priority: str, waited_s: float, budget_s: float, model: str | None = None
+    ) -> None:
         """A ticket left the queue for a seat after ``waited_s`` of its ``budget_s``."""
         ratio = waited_s / budget_s if budget_s > 0 else 1.0
-        self._add(priority, min(BUCKETS, max(0, int(ratio * BUCKETS))))
+        self._add(priority, min(BUCKETS, max(0, int(ratio * BUCKETS))), model)
 
-    def refused(self, priority: str) -> None:
+    def refused(self, priority: str, model: str | None = None) -> None:
         """A ticket was refused at the queue or expired in it: its budget was used up."""
-        self._add(priority, BUCKETS)
+        self._add(priority, BUCKETS, model)
 
-    def _add(self, priority: str, bucket: int) -> None:
+    def _add(self, priority: str, bucket: int, model: str | None) -> None:
+        second = math.floor(self._clock.now())
         window = self._windows.get(priority)
         if window is None:
             window = self._windows[priority] = _Window()
-        window.add(math.floor(self._clock.now()), bucket)
+        window.add(second, bucket)
+        if model is None:
+            return
+        if second - self._swept >= WINDOW_S:
+            self._sweep(second)
+        key = (priority, model)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Window()
+        pool.add(second, bucket)
 
-    def of(self, priority: str) -> float:
-        """The class's pressure now: 0.0 with no sample in the window."""
-        window = self._windows.get(priority)
+    def _sweep(self, second: int) -> None:
+        """Drop the pool windows with nothing left in the window (once per window)."""
+        self._swept = second
+        for key, pool in list(self._pools.items()):
+            pool.expire(second)
+            if not pool.slices:
+                del self._pools[key]
+
+    def of(self, priority: str, model: str | None = None) -> float:
+        """The class's pressure now (within ``model``'s pool when given): 0.0 with no
+        sample in the window."""
+        if model is None:
+            window = self._windows.get(priority)
+        else:
+            window = self._pools.get((priority, model))
         if window is None:
             return 0.0
         window.expire(math.floor(self._clock.now()))

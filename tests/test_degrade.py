@@ -278,3 +278,38 @@ async def test_the_simulated_engine_generates_the_cap(start_proxy: Start) -> Non
         proxy.assert_idle()
     finally:
         await sim.close()
+
+
+async def test_only_the_congested_pool_is_degraded(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """Two model pools of one seat each; batch times out in alpha's queue (the class's
+    pressure 1). A batch request for alpha is degraded; one for beta, whose pool nobody
+    waited for, keeps its max_tokens: one congested model does not shorten the answers
+    of an idle one (as its queue does not hold them up)."""
+    config = _config(upstream_url)
+    replicas = [
+        {"name": name, "url": upstream_url, "max_concurrency": 1, "models": [model]}
+        for name, model in (("r0", "alpha"), ("r1", "beta"))
+    ]
+    config = config.model_validate({**config.model_dump(), "replicas": replicas})
+    proxy = await start_proxy(config)
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    batch = {"Authorization": f"Bearer {KEY_B}"}
+    slow = asyncio.ensure_future(
+        proxy.client.post(CHAT, json={"model": "alpha", "hang_ms": 1500}, headers=batch)
+    )
+    await wait_for(lambda: upstream_state.active == 1)
+    refused = await proxy.client.post(CHAT, json={"model": "alpha"}, headers=batch)
+    assert refused.headers["X-Admission-Reason"] == "queue_timeout"
+    assert (await slow).status == 200
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert _pressure(metrics)["batch"] == 1.0
+
+    idle = await proxy.client.post(CHAT, json={"model": "beta", "max_tokens": 5}, headers=batch)
+    assert idle.status == 200 and "X-Admission-Degraded" not in idle.headers
+    assert (await idle.json())["usage"]["completion_tokens"] == 5
+    hot = await proxy.client.post(CHAT, json={"model": "alpha", "max_tokens": 5}, headers=batch)
+    assert hot.headers["X-Admission-Degraded"] == "max_tokens"
+    assert (await hot.json())["usage"]["completion_tokens"] == CAP
+    proxy.assert_idle()

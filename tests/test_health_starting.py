@@ -175,3 +175,22 @@ async def test_replica_added_by_reload_is_starting_not_ejected() -> None:
     r1 = runtime.pool.get("r1")
     assert r1 is not None
     assert r1.starting and not r1.ejected and r1.ejections == 0 and not r1.serving
+
+
+async def test_retry_after_of_a_pool_counts_only_its_own_replicas() -> None:
+    """Fake clock: r0 ejected until t=60, r1 (another model's pool) until t=110. At t=50
+    a request for r1's pool is told 60 s (r1's return), not r0's 10 s: r0 coming back
+    serves none of that pool's requests. The fleet-wide answer stays the earliest."""
+    clock = FakeClock()
+    config = make_config(["http://127.0.0.1:9", "http://127.0.0.1:10"], health=LONG_EJECTION)
+    runtime = build_runtime(config, clock=clock, access_log=False)
+    health = runtime.health
+    r0, r1 = runtime.pool.replicas
+    health._came_up(r0)
+    health._came_up(r1)
+    health._count_failure(r0, passive=False)
+    clock.advance(50.0)
+    health._count_failure(r1, passive=False)
+    assert health.earliest_return_s() == 10.0
+    assert health.earliest_return_s(frozenset({r1.name})) == 60.0
+    assert health.earliest_return_s(frozenset({r0.name})) == 10.0

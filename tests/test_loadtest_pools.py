@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from proxy.cli import main
 from proxy.loadtest.phases import PhasesPlan, run_phases
@@ -83,7 +84,13 @@ async def test_staircase_with_model_loads_only_that_pool(
     assert all(level.idle_at_start is True for level in result.levels)
     write_staircase_report(result, tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["model"] == "beta"
-    assert "model `beta`" in (tmp_path / "report.md").read_text()
+    markdown = (tmp_path / "report.md").read_text()
+    assert "model `beta`" in markdown
+    # Measured through the proxy: no replica entry whose url is the proxy's own (pasted
+    # into the config, the proxy would forward to itself), but what the figure is.
+    snippet = markdown.split("```yaml\n")[1].split("```")[0]
+    assert yaml.safe_load(snippet) is None and proxy.url not in snippet
+    assert "through the proxy" in snippet
 
 
 async def test_staircase_through_an_alias_measures_its_pool(
@@ -108,6 +115,23 @@ async def test_staircase_through_an_alias_measures_its_pool(
     assert not [n for n in result.notes if "no model pool" in n], result.notes
     stray = await run_staircase(replace(plan, model="gamma", levels=(1,), requests_per_level=1))
     assert [n for n in stray.notes if "'gamma' is no model pool" in n], stray.notes
+
+
+async def test_staircase_stops_at_once_when_the_proxy_refuses_its_requests(
+    start_proxy: Start, two_pools: dict[str, SimServer]
+) -> None:
+    """A key the proxy does not know: every request of the first level is 401. That is
+    the load test's own setup, not the fleet's capacity: no confirming re-run (which
+    waits a cool-down), and a note saying what to fix, not a failed stop line."""
+    config = make_config([], **pool_config(two_pools))
+    proxy = await start_proxy(config, access_log=False)
+    plan = StaircasePlan(
+        url=proxy.url, model="beta", levels=(1, 2), requests_per_level=3, max_tokens=4,
+        input_tokens=(8, 16), api_key="sk-not-a-key", cool_down_s=0.0,
+    )  # fmt: skip
+    result = await run_staircase(plan)
+    assert [(level.concurrency, level.run) for level in result.levels] == [(1, 1)]
+    assert [n for n in result.notes if "unauthenticated" in n and "--api-key" in n], result.notes
 
 
 def test_a_pool_is_found_by_its_name_or_an_alias() -> None:

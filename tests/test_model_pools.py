@@ -170,6 +170,20 @@ async def test_model_refusals_carry_the_error_and_take_no_seat(
     proxy.assert_idle()
 
 
+async def test_a_body_without_model_is_told_where_to_find_one(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Two pools; tenant b may use qwen only. A body naming no model is 400, told to
+    set one from GET /v1/models, and not told how many models the fleet serves (b's
+    list shows one: the count was of models it may not see)."""
+    proxy, llama, qwen = await two_pools(aiohttp_server, start_proxy)
+    resp = await proxy.client.post(COMPLETIONS, json={"prompt": "x"}, headers=AUTH_B)
+    assert resp.status == 400 and llama.bodies == [] and qwen.bodies == []
+    message = (await resp.json())["error"]["message"]
+    assert message == "the request names no model: set model to one GET /v1/models lists"
+    proxy.assert_idle()
+
+
 async def test_model_refusals_echo_nothing_the_client_sent(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:
@@ -986,6 +1000,44 @@ async def test_prefix_affinity_end_to_end_by_header(
         grew = [len(state.bodies) - b for (_, state), b in zip(servers, before, strict=True)]
         assert sorted(grew) == [0, 0, 4], session
     proxy.assert_idle()
+
+
+async def test_a_pool_with_no_usable_replica_is_named_in_the_refusal(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """qwen's only replica drained, llama's serving: a qwen request is 503
+    no_healthy_replica whose message names the pool (not "every replica", which
+    an operator looking at serving replicas cannot square with the answer)."""
+    url0, _ = await start_replica(aiohttp_server, ["llama"])
+    url1, _ = await start_replica(aiohttp_server, ["qwen"])
+    proxy = await start_proxy(pooled_config([url0, url1], [["llama"], ["qwen"]]))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    assert (await proxy.client.post("/admin/replicas/r1/drain")).status == 200
+    resp = await proxy.client.post(COMPLETIONS, json={"model": "qwen"}, headers=AUTH_A)
+    assert resp.status == 503 and resp.headers["X-Admission-Reason"] == "no_healthy_replica"
+    message = (await resp.json())["error"]["message"]
+    assert message == "every replica serving model 'qwen' is ejected or drained"
+    seatless = await proxy.client.post("/tokenize", json={"model": "qwen"}, headers=AUTH_A)
+    assert seatless.status == 503
+    assert (await seatless.json())["error"]["message"] == "no replica of model 'qwen' is serving"
+    ok = await proxy.client.post(COMPLETIONS, json={"model": "llama"}, headers=AUTH_A)
+    assert ok.status == 200
+    proxy.assert_idle()
+
+
+async def test_every_served_model_has_a_queue_depth_series_before_any_request(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Two pools, nothing sent yet: /metrics has admission_model_queue_depth 0 for each
+    (as /admin/state's pools do), so a dashboard, an autoscaler or the load test's
+    pool check reads 0, not a missing series, for a pool that never queued."""
+    url0, _ = await start_replica(aiohttp_server, ["llama"])
+    url1, _ = await start_replica(aiohttp_server, ["qwen"])
+    proxy = await start_proxy(pooled_config([url0, url1], [["llama"], ["qwen"]]))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert 'admission_model_queue_depth{model="llama"} 0.0' in metrics
+    assert 'admission_model_queue_depth{model="qwen"} 0.0' in metrics
 
 
 async def test_model_metrics_state_log_and_span(

@@ -310,3 +310,60 @@ async def test_observe_mode_forwards_a_request_over_its_token_quota(
     assert [line["observed"] for line in lines] == [None, "would_token_quota_exceeded"]
     assert lines[0]["quota_charged_tokens"] > 0 and lines[1]["quota_charged_tokens"] is None
     proxy.assert_idle()
+
+
+async def test_observe_mode_answers_over_quota_with_the_ratelimit_headers(
+    start_proxy: Start, aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """A token quota of 60 a day: the second request does not fit. Forwarded in observe
+    mode, its answer still carries the x-ratelimit-* token headers (enforcing's 429 would),
+    counting the first request's charge only."""
+    gate = Gate()
+    gate.open.set()
+    server = await aiohttp_server(gate.app())
+    url = str(server.make_url("")).rstrip("/")
+    path = tmp_path / "proxy.yaml"
+    _write(path, _document(url, "observe", token_quota={"per_day": 60}))
+    proxy = await start_proxy(load_config(path))
+    remaining = []
+    for max_tokens in (10, 100):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+        async with proxy.client.post(CHAT, json=body, headers=AUTH) as resp:
+            assert resp.status == 200
+            assert resp.headers.get("x-ratelimit-limit-tokens") == "60"
+            remaining.append(int(resp.headers["x-ratelimit-remaining-tokens"]))
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert remaining[1] == state["tenants"]["a"]["quota"]["day"]["remaining"] < 60
+    proxy.assert_idle()
+
+
+async def test_observe_mode_charges_no_quota_to_a_request_over_its_rate(
+    start_proxy: Start, aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """A rate of one a minute and a token quota: the second request would be
+    rate_limited, which enforcing refuses before charging anything. Observed, it is
+    charged nothing either (the quota keeps enforcing's numbers) and its answer carries
+    the request and token headers."""
+    gate = Gate()
+    gate.open.set()
+    server = await aiohttp_server(gate.app())
+    url = str(server.make_url("")).rstrip("/")
+    path = tmp_path / "proxy.yaml"
+    _write(path, _document(url, "observe", rate_per_s=1 / 60, token_quota={"per_day": 1000}))
+    log = io.StringIO()
+    proxy = await start_proxy(load_config(path), access_log=log)
+    headers = []
+    for _ in range(2):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+        async with proxy.client.post(CHAT, json=body, headers=AUTH) as resp:
+            assert resp.status == 200
+            headers.append(resp.headers)
+    lines = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert [line["observed"] for line in lines] == [None, "would_rate_limited"]
+    assert lines[0]["quota_charged_tokens"] > 0 and lines[1]["quota_charged_tokens"] is None
+    assert headers[1]["x-ratelimit-remaining-requests"] == "0"
+    used = lines[0]["quota_actual_tokens"]
+    assert headers[1]["x-ratelimit-remaining-tokens"] == str(1000 - used)
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["tenants"]["a"]["quota"]["day"]["used"] == used
+    proxy.assert_idle()

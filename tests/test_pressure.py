@@ -111,3 +111,20 @@ async def test_the_dispatcher_feeds_pressure_from_each_queue_exit() -> None:
         await d.wait(late)
     assert d.pressure.of("interactive") == 1.0
     assert d.pool.total_inflight() == 0 and len(d.scheduler) == 0
+
+
+def test_each_model_pool_has_its_own_pressure_within_the_class() -> None:
+    """Batch refused in alpha's pool, served at once in beta's: the class reads 1 (the
+    gauge), alpha's pool 1, beta's 0, a pool never seen 0. Once the window has passed, a
+    new sample drops the idle pools' windows (adapters come and go): only beta's is kept."""
+    clock = FakeClock()
+    pressure = BudgetPressure(clock)
+    pressure.refused("batch", "alpha")
+    pressure.waited("batch", 0.0, 2.0, "beta")
+    assert pressure.of("batch") == 1.0
+    assert (pressure.of("batch", "alpha"), pressure.of("batch", "beta")) == (1.0, 0.0)
+    assert pressure.of("batch", "gamma") == 0.0
+    clock.advance(WINDOW_S + 1)
+    pressure.waited("batch", 1.0, 2.0, "beta")
+    assert pressure.of("batch", "beta") == 0.5 and pressure.of("batch", "alpha") == 0.0
+    assert list(pressure._pools) == [("batch", "beta")]

@@ -43,6 +43,21 @@ def test_history_keeps_the_last_good_configs_and_steps_back_one() -> None:
     assert "1/3, running b" in repr(history)
 
 
+def test_the_same_file_applied_again_keeps_the_config_to_go_back_to() -> None:
+    """config_history 3: a, then b, then b reloaded twice more (SIGHUP, POST
+    /admin/reload of an unchanged file): b is one entry, applied at its last reload,
+    and a rollback still goes back to a (three copies of b had pushed a out)."""
+    ticks = count()
+    history = ConfigHistory(3, now=lambda: f"t{next(ticks)}")
+    config = make_config(["http://127.0.0.1:1"], config_history=3)
+    for digest in ("a", "b", "b", "b"):
+        history.applied(config, digest)
+    assert history.describe() == [
+        {"sha256": "b", "applied_at": "t3"}, {"sha256": "a", "applied_at": "t0"},
+    ]  # fmt: skip
+    assert history.previous is not None and history.previous.sha256 == "a"
+
+
 def _document(upstream_url: str, seats: int) -> dict[str, Any]:
     return {
         "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": seats}],

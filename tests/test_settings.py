@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from proxy.cli import EXIT_INVALID, EXIT_OK, check_config
+from proxy.config_errors import _PATTERNS
 from proxy.settings import (
     DEFAULT_RETRY_ON,
     BudgetsConfig,
@@ -230,6 +231,26 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
     ),
     ("wrong type", {"server": {"port": "http"}}, {"server.port": "valid integer"}),
     ("wrong type for section", {"server": 5}, {"server": "valid dictionary"}),
+    (
+        "replica name with a space (the rule in words, not a regular expression)",
+        {"replicas": [{**BASE["replicas"][0], "name": "gpu 0"}]},
+        {"replicas[0].name": "1 to 64 letters, digits, '_', '.' or '-', starting with a"},
+    ),
+    (
+        "tenant name with a space: the key is named as a key",
+        {"tenants": {"be ta": {"api_keys": ["k-9"]}}},
+        {"tenants['be ta'] (key)": "1 to 64 letters, digits"},
+    ),
+    (
+        "alias name empty",
+        {"model_aliases": {"": "llama-8b"}},
+        {"model_aliases[''] (key)": "at least 1 character"},
+    ),
+    (
+        "one name where a list is wanted",
+        {"replicas": [{**BASE["replicas"][0], "models": "llama-8b"}]},
+        {"replicas[0].models": "input should be a list, such as [llama-8b]"},
+    ),
     ("port out of range", {"server": {"port": 70000}}, {"server.port": "less than or equal"}),
     ("zero body limit", {"server": {"max_body_bytes": 0}}, {"server.max_body_bytes": "greater"}),
     ("replicas missing", {"replicas": DELETE}, {"replicas": "required"}),
@@ -341,7 +362,7 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
     (
         "replica model name with spaces around",
         {"replicas": [{**BASE["replicas"][0], "models": [" a"]}]},
-        {"replicas[0].models[0]": "match pattern"},
+        {"replicas[0].models[0]": "a model name may not start or end with whitespace"},
     ),
     ("routing policy", {"routing": {"policy": "random"}}, {"routing.policy": "'least_loaded' or"}),
     (
@@ -357,7 +378,7 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
     (
         "routing header not a header name",
         {"routing": {"affinity_header": "X Session"}},
-        {"routing.affinity_header": "match pattern"},
+        {"routing.affinity_header": "a header name: letters, digits and !#$%&'*+.^_`|~-"},
     ),
     ("routing unknown key", {"routing": {"policy_x": 1}}, {"routing.policy_x": "unknown key"}),
     (
@@ -389,9 +410,14 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         {"tenants.acme.allowed_models[1]": "at least 1 character"},
     ),
     (
+        "allowed models empty (LiteLLM reads an empty list as every model; here it was none)",
+        {"tenants": {"acme": {"allowed_models": []}}},
+        {"tenants.acme.allowed_models": "null for every model"},
+    ),
+    (
         "allowed models not a list",
         {"tenants": {"acme": {"allowed_models": "llama-8b"}}},
-        {"tenants.acme.allowed_models": "valid"},
+        {"tenants.acme.allowed_models": "input should be a list, such as [llama-8b]"},
     ),
     (
         "allowed model served by no static replica and no alias",
@@ -419,7 +445,7 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         {"state.redis_url": "redis://"},
     ),
     ("state url port", {"state": {"redis_url": "redis://r:99999/0"}}, {"state.redis_url": "port"}),
-    ("state hash tag", {"state": {"key_prefix": "a{b}:"}}, {"state.key_prefix": "pattern"}),
+    ("state hash tag", {"state": {"key_prefix": "a{b}:"}}, {"state.key_prefix": "no '{' or '}'"}),
     ("no classes", {"priorities": {}}, {"priorities": "at least one priority class"}),
     (
         "class weight",
@@ -921,3 +947,22 @@ def test_alias_chain_reported_even_when_replicas_are_invalid() -> None:
         )
     )
     assert set(issues) == {"replicas[0].url", "model_aliases.a"}
+
+
+def test_every_name_pattern_of_the_config_is_said_in_words() -> None:
+    """Each regular expression the config model checks has a plain sentence in its
+    errors (check-config quoted the expression), so a new pattern cannot go without."""
+    found: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.add(node["pattern"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(Config.model_json_schema())
+    assert found and found <= set(_PATTERNS), found - set(_PATTERNS)

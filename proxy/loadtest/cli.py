@@ -58,7 +58,8 @@ line. The recommended max_concurrency is the smaller of the two, or with
 --p99-slo-ms the last level whose p99 met the SLO.
 
 Writes report.md, report.json, report.csv, latency.png and throughput.png
-into --out, and prints a max_concurrency snippet for the config.
+into --out, and prints a max_concurrency snippet for the config (through the
+proxy: a comment saying what was measured, since that is no replica's knee).
 
 example:
   admission-proxy loadtest staircase --url http://127.0.0.1:8000 \\

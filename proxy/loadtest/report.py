@@ -129,6 +129,15 @@ def max_concurrency_snippet(result: StaircaseResult) -> str:
             "# no safe max_concurrency found: the first level already failed a stop line\n"
             f"# ({comment})"
         )
+    if result.target is not None and result.target.is_proxy:
+        # Through the proxy the figure is the pool's, its replicas already capped at
+        # their seats: a replica entry with the proxy's url would forward to itself.
+        return (
+            f"# measured through the proxy (model {result.model}): {value} requests at once\n"
+            "# across the replicas behind it. That is no replica's max_concurrency: run\n"
+            "# the staircase against a replica's own URL for the value to put in the config.\n"
+            f"# ({comment})"
+        )
     return (
         "replicas:\n"
         "  - name: gpu-0                       # this replica's name in your config\n"

@@ -292,6 +292,10 @@ async def run_staircase(plan: StaircasePlan, progress: Progress | None = None) -
                 stats = _with_resources(stats, used, sampler, window, info, waited, busy)
                 levels.append(stats)
                 progress.line(_level_line(stats))
+                refused = _refused_setup(stats)
+                if refused is not None:
+                    notes.append(refused)
+                    break
                 step = next_step(levels, rules)
                 if step is Step.STOP:
                     notes.append(_stop_note(levels, rules))
@@ -402,6 +406,31 @@ def _with_resources(
         cool_down_s=waited,
         idle_at_start=None if busy is None else busy.idle,
         busy_at_start=None if busy is None or busy.idle else busy.describe(),
+    )
+
+
+#: The proxy's refusals of the load test's own request (its key, model, path or body):
+#: every request gets the same answer at any concurrency.
+SETUP_REFUSALS = {
+    "unauthenticated": "--api-key",
+    "model_not_found": "--model",
+    "model_not_allowed": "--model (or the key's allowed_models)",
+    "priority_not_allowed": "the key's priority",
+    "route_not_allowed": "--endpoint (or the proxy's routes)",
+    "bad_request": "--model and --endpoint",
+}
+
+
+def _refused_setup(stats: LevelStats) -> str | None:
+    """A note when the proxy refused every request for the load test's own setup; a
+    re-run (after a cool-down) and more levels would only repeat it."""
+    if stats.ok or not stats.errors or not set(stats.errors) <= SETUP_REFUSALS.keys():
+        return None
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(stats.errors.items()))
+    fixes = " and ".join(dict.fromkeys(SETUP_REFUSALS[reason] for reason in sorted(stats.errors)))
+    return (
+        f"stopped after level {stats.concurrency}: the target refused every request "
+        f"({reasons}), which says nothing of its capacity: check {fixes}"
     )
 
 
