@@ -45,6 +45,7 @@ from proxy.token_quota import limits_of
 from proxy.ui import add_ui_routes
 from proxy.worker_admin import WORKER_ADMIN, set_draining
 from proxy.worker_metrics import WORKER_METRICS
+from proxy.worker_state import WORKER_STATE, WorkerState
 
 log = structlog.get_logger(__name__)
 ReservedHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -171,7 +172,8 @@ async def admin(request: web.Request) -> web.StreamResponse:
             text = history_comment(reloader.history) + text
         return web.Response(text=text, content_type="application/yaml")
     if request.method == "GET" and action == "state":
-        return web.json_response(admin_state(runtime))
+        group = request.app[WORKER_STATE]  # ``serve --workers N``: every worker's, merged
+        return web.json_response(await group.state() if group is not None else admin_state(runtime))
     if request.method == "GET" and action == "history":
         since = request.query.get("since")
         try:
@@ -352,6 +354,8 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
 
 def add_admin_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
+    sockets = app[WORKER_METRICS]
+    app[WORKER_STATE] = WorkerState(sockets, runtime, admin_state) if sockets is not None else None
     runtime.telemetry.metrics.registry.register(StateCollector(lambda: state_snapshot(runtime)))
     runtime.telemetry.metrics.registry.register(
         PressureCollector(
