@@ -243,32 +243,45 @@ class WorkerState:
         """Every worker's view merged, with ``workers``: how many answered, which did not."""
         siblings = await self._sockets.siblings()
         own = own_part(self._runtime, self._view)
-        found = await asyncio.gather(*(self._sibling(path) for path in siblings))
-        parts, unanswered = [own], []
-        for path, part in zip(siblings, found, strict=True):
-            if isinstance(part, Unanswered):
-                unanswered.append(_pid(path))
-            elif part is not None:
-                parts.append(part)
-        merged = merge(parts)
-        merged["workers"] = {
-            "answered": len(parts),
-            "unanswered": sorted(unanswered, key=str),
-            "served_by": os.getpid(),
-        }
+        found, unanswered = await ask_all(siblings, ROUTE)
+        merged = merge([own, *found])
+        merged["workers"] = workers_field(1 + len(found), unanswered)
         return merged
 
-    async def _sibling(self, path: Path) -> View | Unanswered | None:
-        """A sibling's part; None for a dead one, ``Unanswered`` for one that did not answer."""
-        try:
-            text = await ask(path, ROUTE, SIBLING_TIMEOUT_S)
-            part = None if text is None else json.loads(text)
-        except (Unanswered, ValueError) as exc:
-            log.warning("worker state not read", socket=str(path), error=str(exc))
-            return exc if isinstance(exc, Unanswered) else Unanswered(str(exc))
-        if part is not None and not isinstance(part, dict):
-            return Unanswered("not a state view")
-        return part
+
+async def ask_all(siblings: Sequence[Path], route: str) -> tuple[list[View], list[int | str]]:
+    """Every sibling's JSON answer to ``GET route``, all asked at once, each within
+    ``SIBLING_TIMEOUT_S``: the answers, and the workers that did not answer.
+
+    A dead sibling is in neither (``worker_metrics.ask`` removes its socket).
+    """
+    found = await asyncio.gather(*(_sibling(path, route) for path in siblings))
+    answers, unanswered = [], []
+    for path, answer in zip(siblings, found, strict=True):
+        if isinstance(answer, Unanswered):
+            unanswered.append(_pid(path))
+        elif answer is not None:
+            answers.append(answer)
+    return answers, sorted(unanswered, key=str)
+
+
+def workers_field(answered: int, unanswered: Sequence[int | str]) -> View:
+    """An answer's ``workers``: how many workers it counts (this one included), which
+    did not answer, and which worker gave it."""
+    return {"answered": answered, "unanswered": list(unanswered), "served_by": os.getpid()}
+
+
+async def _sibling(path: Path, route: str) -> View | Unanswered | None:
+    """A sibling's answer; None for a dead one, ``Unanswered`` for one that did not answer."""
+    try:
+        text = await ask(path, route, SIBLING_TIMEOUT_S)
+        answer = None if text is None else json.loads(text)
+    except (Unanswered, ValueError) as exc:
+        log.warning("worker state not read", socket=str(path), route=route, error=str(exc))
+        return exc if isinstance(exc, Unanswered) else Unanswered(str(exc))
+    if answer is not None and not isinstance(answer, dict):
+        return Unanswered("not a JSON object")
+    return answer
 
 
 #: The app's ``WorkerState``; None outside a ``serve --workers`` group.
