@@ -39,7 +39,6 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.errors import BadRequest
 from proxy.telemetry.history import History, waits_of
 from proxy.worker_metrics import WorkerMetrics
 from proxy.worker_state import (
@@ -136,11 +135,12 @@ def _counts(history: History) -> list[list[Any]]:
 
 
 def _since(request: web.Request) -> float | None:
+    """A sibling's ``since`` (the group's last slot end the page saw)."""
     since = request.query.get("since")
     try:
         return float(since) if since is not None else None
     except ValueError:
-        raise BadRequest("since: a number (the t of the last point seen)") from None
+        raise web.HTTPBadRequest(text="since: a number") from None
 
 
 class WorkerHistory:
@@ -172,7 +172,9 @@ class WorkerHistory:
         history = self._history
         answer = history.since(since)  # ``now`` before any sibling is read
         own = self._part(since)
-        found, unanswered = await ask_all(siblings, ROUTE)
+        # Only the points the page has not seen: the first poll's 300 per worker once.
+        route = ROUTE if since is None else f"{ROUTE}?since={since!r}"
+        found, unanswered = await ask_all(siblings, route)
         parts = [own, *found]
         answer["points"] = merge_points(
             [part.get("points", []) for part in parts], history.interval_s, since, answer["now"]

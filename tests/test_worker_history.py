@@ -95,7 +95,8 @@ def test_every_field_of_a_history_point_has_a_rule_for_adding_workers_up() -> No
 
 async def test_the_waits_are_quantiles_of_every_workers_buckets_added_up() -> None:
     """This worker saw 10 fast queue waits, its sibling 30 slow ones: the p50 is a slow
-    wait (of the 40 together), not a quantile of one worker's. The sibling's points count."""
+    wait (of the 40 together), not a quantile of one worker's. The sibling's points count;
+    a poll after a point asks the sibling for the newer ones only."""
     clock = FakeClock(100.1)
     history = History(clock)
     fast, slow = [0.0] * len(BOUNDS), [0.0] * len(BOUNDS)
@@ -109,7 +110,10 @@ async def test_the_waits_are_quantiles_of_every_workers_buckets_added_up() -> No
     group = WorkerHistory(sockets, history)
     sibling = {"points": [_point(100.9, 2, completed=3)], "waits": [["queue", "a", slow]]}
 
+    asked: list[str | None] = []
+
     async def answers(request: web.Request) -> web.Response:
+        asked.append(request.query.get("since"))
         return web.json_response(sibling)
 
     runner = web.AppRunner(web.Application(), shutdown_timeout=0.1)
@@ -119,6 +123,7 @@ async def test_the_waits_are_quantiles_of_every_workers_buckets_added_up() -> No
         await runner.setup()
         await web.UnixSite(runner, str(sockets.directory / "999999.sock")).start()
         answer = await group.since(None)
+        later = await group.since(102.0)
     finally:
         await runner.cleanup()
         (sockets.directory / "999999.sock").unlink(missing_ok=True)
@@ -133,6 +138,8 @@ async def test_the_waits_are_quantiles_of_every_workers_buckets_added_up() -> No
         3,
         3,
     )
+    assert asked == [None, "102.0"]
+    assert [p["t"] for p in later["points"]] == [104.0]
 
 
 async def _refused(proxy: ProxyProcess, session: aiohttp.ClientSession, pid: int | None) -> int:
