@@ -230,17 +230,24 @@ async def _own_views(pids: set[int]) -> dict[int, dict[str, Any]]:
     return views
 
 
-async def _until(pids: set[int], holds: Any) -> dict[int, dict[str, Any]]:
-    """Each worker's own view, once ``holds(views)``; fails after ``WAIT_S``."""
+async def _until(proxy: ProxyProcess, pids: set[int], holds: Any) -> dict[int, dict[str, Any]]:
+    """Each worker's own view, once ``holds(views)``; fails after ``WAIT_S`` (saying how
+    the requests ended)."""
     deadline = time.monotonic() + WAIT_S
     while not holds(views := await _own_views(pids)):
-        assert time.monotonic() < deadline, views
+        assert time.monotonic() < deadline, json.dumps([views, proxy.named("request")])
         await asyncio.sleep(0.05)
     return views
 
 
 def _queued(views: dict[int, dict[str, Any]]) -> list[int]:
     return [view["tenants"]["a"]["queued"] for view in views.values()]
+
+
+def _placed(views: dict[int, dict[str, Any]]) -> int:
+    """Tenant a's requests queued or in flight, over every worker's own view."""
+    return sum(view["tenants"]["a"]["queued"] + view["tenants"]["a"]["inflight"]
+               for view in views.values())  # fmt: skip
 
 
 async def _ask(proxy: ProxyProcess, hang_ms: int) -> None:
@@ -259,7 +266,7 @@ async def test_requests_queued_on_two_workers_show_in_one_answer(
 ) -> None:
     """Two workers, one seat (in Redis): one request holds it, then requests on fresh
     connections until each worker queues some. Every /admin/state answer, whichever
-    worker gives it, counts all of them, and says both workers answered."""
+    worker gives it, counts all of them (queued or in flight), and says both answered."""
     config = {
         "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 1}],
         "tenants": {"a": {"api_keys": [KEY_A]}},
@@ -274,13 +281,15 @@ async def test_requests_queued_on_two_workers_show_in_one_answer(
     requests = [asyncio.create_task(_ask(proxy, hang_ms=100_000))]
     try:
         assert len(pids) == 2
-        await _until(pids, lambda v: sum(x["replicas"]["r0"]["inflight"] for x in v.values()) == 1)
+        # A request is queued or in flight; one granted a seat here and then refused
+        # it in Redis is queued again (the seat's in-flight count can show it a moment).
+        views = await _until(proxy, pids, lambda v: _placed(v) == 1)
         sent = 0
-        while not all(_queued(await _own_views(pids))):
+        while not all(_queued(views)):
             assert sent < MAX_SENT
             requests.append(asyncio.create_task(_ask(proxy, hang_ms=100_000)))
             sent += 1
-            await _until(pids, lambda v, n=sent: sum(_queued(v)) == n)
+            views = await _until(proxy, pids, lambda v, n=sent + 1: _placed(v) == n)
         served_by = set()
         async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True)
@@ -288,9 +297,9 @@ async def test_requests_queued_on_two_workers_show_in_one_answer(
             for _ in range(READS):
                 async with session.get(proxy.url + "/admin/state") as resp:
                     state = await resp.json()
-                assert state["tenants"]["a"]["queued"] == sent
-                assert state["tenants"]["a"]["inflight"] == 1
-                assert state["replicas"]["r0"]["inflight"] == 1
+                tenant = state["tenants"]["a"]
+                assert tenant["queued"] + tenant["inflight"] == sent + 1
+                assert tenant["queued"] >= len(pids)  # each worker queues one at least
                 assert state["replicas"]["r0"]["limit"] == 1  # the group's seat, not one each
                 workers = state["workers"]
                 assert (workers["answered"], workers["unanswered"]) == (2, [])
