@@ -23,8 +23,8 @@ busy or stalled) counts with the last exposition read from it; one that
 nothing listens for any more (a worker killed) is left out, and its socket
 file removed. The sockets are only for the group: ``GET /metrics`` here,
 and what another module asks to serve on them before they start
-(``WorkerMetrics.serve``: ``worker_state.py``'s ``/state``), read with
-``ask``; the directory is the user's alone (``_private_dir``: one already
+(``WorkerMetrics.serve``: ``/state`` of ``worker_state.py``, ``/history``
+of ``worker_history.py``), read with ``ask``; the directory is the user's alone (``_private_dir``: one already
 there that is not is refused).
 """
 
