@@ -24,8 +24,8 @@ nothing listens for any more (a worker killed) is left out, and its socket
 file removed. The sockets are only for the group: ``GET /metrics`` here,
 and what another module asks to serve on them before they start
 (``WorkerMetrics.serve``: ``/state`` of ``worker_state.py``, ``/history``
-of ``worker_history.py``), read with ``ask``; the directory is the user's alone (``_private_dir``: one already
-there that is not is refused).
+of ``worker_history.py``), read with ``ask``; the directory is the user's
+alone (``_private_dir``: one already there that is not is refused).
 """
 
 from __future__ import annotations
