@@ -44,7 +44,9 @@ from proxy.telemetry.state_metrics import SharedStateCollector
 from proxy.token_quota import limits_of
 from proxy.ui import add_ui_routes
 from proxy.worker_admin import WORKER_ADMIN, set_draining
+from proxy.worker_history import WORKER_HISTORY, WorkerHistory
 from proxy.worker_metrics import WORKER_METRICS
+from proxy.worker_state import WORKER_STATE, WorkerState
 
 log = structlog.get_logger(__name__)
 ReservedHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -174,13 +176,17 @@ async def admin(request: web.Request) -> web.StreamResponse:
             text = history_comment(reloader.history) + text
         return web.Response(text=text, content_type="application/yaml")
     if request.method == "GET" and action == "state":
-        return web.json_response(admin_state(runtime))
+        group = request.app[WORKER_STATE]  # ``serve --workers N``: every worker's, merged
+        return web.json_response(await group.state() if group is not None else admin_state(runtime))
     if request.method == "GET" and action == "history":
         since = request.query.get("since")
         try:
             after = float(since) if since is not None else None
         except ValueError:
             raise BadRequest("since: a number (the t of the last point seen)") from None
+        group_history = request.app[WORKER_HISTORY]  # ``serve --workers N``: every worker's
+        if group_history is not None:
+            return web.json_response(await group_history.since(after))
         return web.json_response(request.app[HISTORY].since(after))
     if request.method == "POST" and action == "reload":
         reloader = request.app[RELOADER]
@@ -355,6 +361,9 @@ def admin_state(runtime: Runtime) -> dict[str, object]:
 
 def add_admin_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
+    sockets = app[WORKER_METRICS]
+    app[WORKER_STATE] = WorkerState(sockets, runtime, admin_state) if sockets is not None else None
+    app[WORKER_HISTORY] = WorkerHistory(sockets, app[HISTORY]) if sockets is not None else None
     runtime.telemetry.metrics.registry.register(StateCollector(lambda: state_snapshot(runtime)))
     runtime.telemetry.metrics.registry.register(
         PressureCollector(

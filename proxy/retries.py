@@ -143,6 +143,11 @@ class RetryBudget:
         requests, _ = self._totals(self._clock.now())
         return self.ratio * requests + self.min_per_s * BUDGET_WINDOW_S
 
+    def counts(self) -> tuple[int, int]:
+        """Requests and retries in the window now (a worker group's ``/admin/state`` adds
+        each worker's up: their allowances would count the floor once per worker)."""
+        return self._totals(self._clock.now())
+
     def try_spend(self, min_per_s: float | None = None) -> bool:
         """Take one retry from the budget if it has one; ``min_per_s`` replaces the floor
         (this process's share of the fleet's while shared state is down)."""

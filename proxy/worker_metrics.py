@@ -21,9 +21,11 @@ reaches reads its siblings' there and answers their sum (``merge``):
 A sibling that does not answer within ``SIBLING_TIMEOUT_S`` (a worker
 busy or stalled) counts with the last exposition read from it; one that
 nothing listens for any more (a worker killed) is left out, and its socket
-file removed. The sockets are only for this: nothing but
-``GET /metrics`` is served there, and the directory is the user's alone
-(``_private_dir``: one already there that is not is refused).
+file removed. The sockets are only for the group: ``GET /metrics`` here,
+and what another module asks to serve on them before they start
+(``WorkerMetrics.serve``: ``/state`` of ``worker_state.py``, ``/history``
+of ``worker_history.py``), read with ``ask``; the directory is the user's
+alone (``_private_dir``: one already there that is not is refused).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import os
 import socket
 import stat
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -50,6 +52,7 @@ _go_float = cast(Callable[[float], str], floatToGoString)  # how generate_latest
 #: A sibling that has not answered by then is left out of the scrape.
 SIBLING_TIMEOUT_S = 1.0
 Merge = Callable[[Sequence[float]], float]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: How each gauge adds up across workers; a gauge not listed is summed.
 GAUGE_MERGE: dict[str, Merge] = {
     "admission_queue_depth": sum,
@@ -156,10 +159,13 @@ def merge(texts: Sequence[str]) -> bytes:
 class WorkerMetrics:
     """This worker's metrics socket, and the group's merged scrape."""
 
-    __slots__ = ("_last", "_rebinding", "_registry", "_runner", "_site", "directory", "path")
+    __slots__ = (
+        "_last", "_rebinding", "_registry", "_routes", "_runner", "_site", "directory", "path",
+    )  # fmt: skip
 
     def __init__(self, group: str, registry: CollectorRegistry) -> None:
         self._registry = registry
+        self._routes: dict[str, Handler] = {}
         self.directory = socket_dir(group)
         self.path = self.directory / f"{os.getpid()}.sock"
         self._runner: web.AppRunner | None = None
@@ -171,10 +177,16 @@ class WorkerMetrics:
     def __repr__(self) -> str:
         return f"<WorkerMetrics {self.path}, {len(self._last)} siblings' last read kept>"
 
+    def serve(self, route: str, handler: Handler) -> None:
+        """Serve ``GET route`` on this worker's socket too (before ``start``)."""
+        self._routes[route] = handler
+
     async def start(self) -> None:
         _private_dir(self.directory)
         app = web.Application()
         app.router.add_get("/metrics", self._own)
+        for route, handler in self._routes.items():
+            app.router.add_get(route, handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         self._runner = runner
@@ -204,8 +216,8 @@ class WorkerMetrics:
     async def _own(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self._registry))
 
-    async def scrape(self) -> bytes:
-        """Every reachable worker's metrics, this one's included, merged.
+    async def siblings(self) -> list[Path]:
+        """The other workers' sockets, this worker's own bound again first if gone.
 
         A socket file of this worker's found gone (a temporary-file cleaner such
         as systemd-tmpfiles ages sockets out of /tmp, a sibling removed it) is made
@@ -216,8 +228,12 @@ class WorkerMetrics:
                 if self._runner is not None and not self.path.exists():
                     log.warning("worker metrics socket gone, served again", socket=str(self.path))
                     await self._bind()
+        return [p for p in _sockets(self.directory) if p != self.path]
+
+    async def scrape(self) -> bytes:
+        """Every reachable worker's metrics, this one's included, merged."""
+        siblings = await self.siblings()
         own = generate_latest(self._registry).decode()
-        siblings = [p for p in _sockets(self.directory) if p != self.path]
         for gone in self._last.keys() - set(siblings):
             del self._last[gone]  # a dead worker's socket another worker removed
         found = await asyncio.gather(*(self._sibling(path) for path in siblings))
@@ -231,27 +247,48 @@ class WorkerMetrics:
         the other workers' whole totals (then the sibling's) as new requests.
         """
         try:
-            async with (
-                aiohttp.ClientSession(
-                    connector=aiohttp.UnixConnector(path=str(path)),
-                    timeout=aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S),
-                ) as session,
-                session.get("http://worker/metrics") as response,
-            ):
-                if response.status == 200:
-                    self._last[path] = text = await response.text()
-                    return text
-        except aiohttp.ClientConnectorError as exc:
-            if isinstance(exc.os_error, ConnectionRefusedError | FileNotFoundError):
-                _forget(path)  # nothing listens there: a worker that died without cleaning up
-                self._last.pop(path, None)
-                return None
-            # A live worker too (one whose accept backlog is full: EAGAIN on
-            # uvloop): removing its socket would leave it out of every scrape.
-            log.warning("worker metrics not read", socket=str(path), error=repr(exc))
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("worker metrics not read", socket=str(path), error=repr(exc))
-        return self._last.get(path)
+            text = await ask(path, "/metrics", SIBLING_TIMEOUT_S)
+        except Unanswered as exc:
+            log.warning("worker metrics not read", socket=str(path), error=str(exc))
+            return self._last.get(path)
+        if text is None:
+            self._last.pop(path, None)
+        else:
+            self._last[path] = text
+        return text
+
+
+class Unanswered(Exception):
+    """A sibling that is alive, or may be, but did not answer in time (or not 200)."""
+
+
+async def ask(path: Path, route: str, timeout_s: float) -> str | None:
+    """``GET route`` of the sibling whose socket is ``path``, within ``timeout_s``.
+
+    None when nothing listens there (a worker that died without cleaning up:
+    its socket file is removed); ``Unanswered`` for a live one that did not
+    answer, whose socket stays.
+    """
+    try:
+        async with (
+            aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=str(path)),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as session,
+            session.get(f"http://worker{route}") as response,
+        ):
+            if response.status != 200:
+                raise Unanswered(f"HTTP {response.status}")
+            return await response.text()
+    except aiohttp.ClientConnectorError as exc:
+        if isinstance(exc.os_error, ConnectionRefusedError | FileNotFoundError):
+            _forget(path)
+            return None
+        # A live worker too (one whose accept backlog is full: EAGAIN on
+        # uvloop): removing its socket would leave it out of every scrape.
+        raise Unanswered(repr(exc)) from exc
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise Unanswered(repr(exc)) from exc
 
 
 def _remove_dead(directory: Path) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,7 +21,9 @@ import pytest
 
 from proxy.sim import SimConfig, SimServer, start_sim
 from tests.conftest import ProxyUnderTest
+from tests.fleet import start_serve, write_config
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+from tests.redis_server import RedisServer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -252,3 +255,25 @@ async def test_page_shows_each_model_pool_whole(
         lambda d: cell(d, 'div[data-pool="qwen"] tr[data-replica="r0"] td.state') == "draining",
     )
     assert severe(driver) == []
+
+
+@pytest.mark.redis
+async def test_page_says_how_many_workers_its_figures_count(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer, driver: Driver
+) -> None:
+    """``serve --workers 2``: the status line says both workers answered (the figures
+    are the group's, whichever worker each poll reached: queue capacity 10 each)."""
+    config = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 4}],
+        "tenants": {"a": {"api_keys": [KEY_A], "queue_capacity": 10}},
+        "state": {"backend": "redis", "redis_url": redis_server.url},
+    }
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    try:
+        await asyncio.to_thread(driver.get, proxy.url + "/admin/ui")
+        await until(driver, lambda d: "· 2 workers" in cell(d, "#status"))
+        assert "not answering" not in cell(driver, "#status")
+        assert cell(driver, 'tr[data-tenant="a"] td.queued') == "0 / 20"
+        assert severe(driver) == []
+    finally:
+        assert await proxy.stop() == 0

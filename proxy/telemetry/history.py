@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +85,23 @@ def quantile(q: float, bounds: tuple[float, ...], counts: Iterable[float]) -> fl
     return bounds[-2] if len(bounds) > 1 else None
 
 
+def waits_of(
+    counts: Mapping[tuple[str, str], Sequence[float]], bounds: tuple[float, ...]
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """``waits``' answer from per (layer, tenant label) bucket counts over the window."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for (layer, tenant), window in counts.items():
+        count = sum(window)
+        if count <= 0:
+            continue
+        out.setdefault(tenant, {})[layer] = {
+            "p50": quantile(0.5, bounds, window),
+            "p95": quantile(0.95, bounds, window),
+            "count": count,
+        }
+    return out
+
+
 class History:
     """A ring of points, sampled by ``run``; ``since(t)`` serves ``/admin/history``.
 
@@ -131,22 +148,23 @@ class History:
 
     def waits(self) -> dict[str, dict[str, dict[str, float | None]]]:
         """Per tenant label and layer: p50, p95 (seconds) and count over the window."""
+        return waits_of(self.window_counts(), self.bounds)
+
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """The wait buckets' upper bounds (none before the first sample)."""
+        return self._last.bounds if self._last is not None else ()
+
+    def window_counts(self) -> dict[tuple[str, str], list[float]]:
+        """Per (layer, tenant label) the waits per bucket over the window (a worker
+        group's ``/admin/history`` adds each worker's up before taking quantiles)."""
         if self._last is None:
             return {}
         base = self._marks[0][1] if self._marks else {}
-        bounds = self._last.bounds
-        out: dict[str, dict[str, dict[str, float | None]]] = {}
-        for (layer, tenant), counts in self._last.waits.items():
-            before = base.get((layer, tenant), (0.0,) * len(counts))
-            window = [c - b for c, b in zip(counts, before, strict=True)]
-            count = sum(window)
-            if count <= 0:
-                continue
-            out.setdefault(tenant, {})[layer] = {
-                "p50": quantile(0.5, bounds, window),
-                "p95": quantile(0.95, bounds, window),
-                "count": count,
-            }
+        out = {}
+        for key, counts in self._last.waits.items():
+            before = base.get(key, (0.0,) * len(counts))
+            out[key] = [c - b for c, b in zip(counts, before, strict=True)]
         return out
 
     def since(self, t: float | None) -> dict[str, Any]:

@@ -93,7 +93,8 @@ async function poll() {
     document.getElementById("main").hidden = false;
     const when = new Date().toLocaleTimeString();
     const minutes = ((points.length * intervalS) / 60).toFixed(1);
-    setStatus(`updated ${when} · ${minutes} min of history` + (state.shutting_down ? " · SHUTTING DOWN" : ""));
+    const missing = state.workers ? state.workers.unanswered.length : 0;
+    setStatus(`updated ${when} · ${minutes} min of history` + workersText(state.workers) + (state.shutting_down ? " · SHUTTING DOWN" : ""), missing > 0);
   } catch (err) {
     if (err instanceof Unauthorized) {
       askToken(token ? "that token was refused" : "");
@@ -102,6 +103,13 @@ async function poll() {
     setStatus("cannot reach the admin API: " + err.message + " (retrying)", true);
   }
   if (mine === generation) timer = setTimeout(poll, POLL_MS);
+}
+
+// serve --workers N: how many workers this answer counts, and which did not answer.
+function workersText(workers) {
+  if (!workers) return "";
+  const missing = workers.unanswered;
+  return ` · ${workers.answered} workers` + (missing.length ? ` (not answering: pid ${missing.join(", ")})` : "");
 }
 
 function mergeHistory(history) {
