@@ -350,6 +350,8 @@ class Dispatcher:
             self._ungrant(ticket, seat)
             self.pump()
             raise
+        if answer.elsewhere is not None:
+            self.waits.seen_elsewhere(replica.name, answer.elsewhere, self._clock.now())
         if not isinstance(answer, Blocked):
             ticket.place, seat.lease = answer.place, answer.seat
             return True

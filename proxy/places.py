@@ -20,11 +20,28 @@ PlaceKind = Literal["tenant", "replica"]
 
 
 @dataclass(frozen=True, slots=True)
+class Elsewhere:
+    """A replica's seats as other instances hold them, seen in a take's answer.
+
+    ``held``: seats other instances hold; ``backlogged``: of those, the ones held by
+    instances waiting for a seat there too (``waiting`` of them). The waits of this
+    instance count them (``waits.py``): a backlogged instance keeps taking its part
+    of every seat that frees; one with no queue only frees its seats.
+    """
+
+    held: int
+    backlogged: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
 class Held:
     """The shared places one grant holds (opaque handles, given back one by one)."""
 
     place: object | None
     seat: object
+    #: What the seat's answer said of the other instances (None: nothing seen).
+    elsewhere: Elsewhere | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +54,8 @@ class Blocked:
     #: A replica seat was free, but another tenant waiting there had the fair turn: the
     #: refusal concerns this tenant only, not the replica (``Dispatcher._turn_refused``).
     turn: bool = False
+    #: As in ``Held``, when the replica's seat answered.
+    elsewhere: Elsewhere | None = None
 
 
 class SharedPlaces(Protocol):

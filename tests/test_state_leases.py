@@ -17,7 +17,7 @@ from proxy.clock import FakeClock
 from proxy.settings import StateConfig
 from proxy.state.client import StateClient, StateDown
 from proxy.state.keys import StateKeys
-from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Seen, Share
 from proxy.state.notify import FreedListener
 from proxy.state.pair import Refused, Want, acquire_pair
 from tests.redis_server import RedisServer
@@ -351,4 +351,32 @@ async def test_a_headroom_seat_is_taken_outside_the_turn(client: StateClient) ->
     headroom = replace(_share("b"), turn=False)
     assert isinstance(await store.acquire(SEATS, 4, CHANNEL, headroom), Lease)
     assert isinstance(await store.acquire(SEATS, 4, CHANNEL, headroom), Full)  # all 4 held
+    await timed.aclose()
+
+
+async def test_a_seat_answer_counts_the_seats_other_backlogged_processes_hold(
+    client: StateClient,
+) -> None:
+    """p1 and p2 hold one of 2 seats each. Until p2 is refused there, p1's answers count
+    no backlogged process; once it is, they count its seat (and it) until its 400 ms end;
+    p2's own answers never count itself."""
+    clock = FakeClock(start=5_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    seats, waiting = KEYS.seats("gpu-9"), KEYS.waiting("gpu-9")
+    share = Share("a", 1.0, waiting, KEYS.waiting_weights("gpu-9"), 400)
+    one, two = LeaseStore(timed, "host:1:aa", 10_000), LeaseStore(timed, "host:2:bb", 10_000)
+    first = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(first, Lease) and first.seen == Seen(1, 0, 0)
+    second = await two.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(second, Lease) and second.seen == Seen(2, 0, 0)
+    refused = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 0, 0)
+    refused = await two.acquire(seats, 2, CHANNEL, share)  # p1 waits: its seat counts
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 1, 1)
+    refused = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 1, 1)
+    clock.advance(0.5)  # neither asks again: neither counts as waiting any more
+    assert await one.release(first)
+    again = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(again, Lease) and again.seen == Seen(2, 0, 0)
     await timed.aclose()
