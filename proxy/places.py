@@ -61,12 +61,14 @@ class Blocked:
 class SharedPlaces(Protocol):
     async def take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
-        *, headroom: bool = False,
+        *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
         """The tenant's place (when ``cap``) and one of ``seats`` seats of ``replica``,
         the seat in the tenant's fair turn (``weight``) among the tenants waiting there;
         ``headroom``: a headroom seat, outside the turn (this process found the tenant
-        below its fair share of recent work).
+        below its fair share of recent work); ``backlog_s``: how long this process
+        counts as backlogged for the replica (the other instances' waits count it;
+        0: it has no backlog).
 
         Both or neither; raises ``StateUnavailable`` when the state is down and
         ``on_failure`` is ``reject``.

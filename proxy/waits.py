@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 #: Retry-After when nothing is known yet about seat times.
 DEFAULT_FREE_PLACE_S = 1.0
+#: With shared state, a process with a backlog for a replica counts as backlogged there
+#: for this many mean seat times after its last seat call (it calls again when one of
+#: its own seats frees), and a sighting of the others' seats counts as long.
+BACKLOG_SEAT_TIMES = 2.0
 #: The wait estimator fails open until it has seen this many dispatches end
 #: (their seat times), so a cold proxy never refuses on no data.
 MIN_DISPATCHES_TO_PREDICT = 20
@@ -159,8 +163,9 @@ class Waits:
     def _held_elsewhere(self, model: str | None, now: float) -> tuple[int, int, int]:
         """Seats of the pool's serving replicas that other instances hold, as last seen:
         all of them, those of instances backlogged there, and the most instances
-        backlogged on one replica. A sighting older than a mean seat time is dropped:
-        every seat seen has turned over since."""
+        backlogged on one replica. A sighting older than ``BACKLOG_SEAT_TIMES`` mean
+        seat times is dropped: every seat seen has turned over since, and a backlog
+        seen then has been said again or is over."""
         if not self._elsewhere:
             return 0, 0, 0
         mean = self.seat_time_of(model).mean_s
@@ -168,7 +173,9 @@ class Waits:
         held = backlogged = waiting = 0
         for replica in self._pool.replicas:
             seen = self._elsewhere.get(replica.name)
-            if seen is None or not replica.serving or not mean or now - seen[0] > mean:
+            if seen is None or not replica.serving or not mean:
+                continue
+            if now - seen[0] > BACKLOG_SEAT_TIMES * mean:
                 continue
             if members is not None and replica.name not in members:
                 continue
@@ -205,9 +212,9 @@ class Waits:
             if not recent:  # nothing left (a replica a reload removed, too)
                 del self._recent_on[name]
         self._turnover.forget_idle(now)
-        mean = self.seat_time.mean_s or 0.0
+        horizon = BACKLOG_SEAT_TIMES * (self.seat_time.mean_s or 0.0)
         for name, (seen_at, _) in list(self._elsewhere.items()):
-            if now - seen_at > mean:
+            if now - seen_at > horizon:
                 del self._elsewhere[name]
 
     def _recent_others(self, tenant: str, now: float, model: str | None) -> tuple[float, list[str]]:

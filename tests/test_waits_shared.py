@@ -36,7 +36,7 @@ class Peers:
 
     async def take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
-        *, headroom: bool = False,
+        *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
         if self.held + self.ours >= seats:
             return Blocked("replica", replica, 60.0, elsewhere=self._elsewhere())
@@ -93,6 +93,7 @@ async def burst(
     else:
         raise AssertionError("nothing refused")
     running = [t for t, waiter in tickets.items() if waiter.done()]
+    assert retry_after is not None  # every refusal says when to come back
     return running, [w for w in tickets.values() if not w.done()], retry_after
 
 

@@ -57,10 +57,16 @@ return {1, held + 1, '0'}
 #: its headroom seats against it and hand the turn to the flood).
 #:
 #: KEYS[4] (``<waiting>:instances``) is the same for processes: owner (ARGV[9]) ->
-#: expiry, recorded with every refusal. Every answer also says what the prediction
-#: of waits needs (``Seen``): the seats held by the *other* processes waiting there
-#: (backlogged ones, which keep taking their part of the seats), and how many of
-#: them wait. Counted only while another process waits: a lone one pays nothing.
+#: expiry, the processes with a backlog for the replica: recorded with every refusal
+#: (for ``wait_ms``: it asks again within half of that), and with a grant for the
+#: ``backlog_ms`` the caller says (ARGV[10], 0: none; a process holding every seat
+#: it can see asks again only when one of its own frees, so it says a few seat
+#: times). A grant never removes it: seats freed together are taken at once by
+#: requests that did not queue, while the process stays saturated. Every answer also
+#: says what the prediction of waits needs (``Seen``): the seats held by the *other*
+#: processes backlogged there (they keep taking their part of every seat that
+#: frees), and how many there are. Counted only while there is one: a lone process
+#: pays nothing.
 _ACQUIRE_FAIR = """
 local now = now_ms()
 local key, waiting, weights, instances = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -115,13 +121,22 @@ if refuse then
   redis.call('ZADD', instances, now + wait_ms, owner)
   redis.call('PEXPIRE', waiting, 2 * wait_ms)
   redis.call('PEXPIRE', weights, 2 * wait_ms)
-  redis.call('PEXPIRE', instances, 2 * wait_ms)
+  if redis.call('PTTL', instances) < 2 * wait_ms then
+    redis.call('PEXPIRE', instances, 2 * wait_ms)
+  end
   local backlogged, others = elsewhere()
   return {0, held, tostring(math.min(refuse, math.floor(wait_ms / 2))), backlogged, others}
 end
 redis.call('ZREM', waiting, tenant)
 redis.call('ZADD', key, now + lease_ms, tenant .. '|' .. id)
 redis.call('PEXPIRE', key, 2 * lease_ms)
+local backlog_ms = tonumber(ARGV[10])
+if backlog_ms > 0 then
+  redis.call('ZADD', instances, now + backlog_ms, owner)
+  if redis.call('PTTL', instances) < 2 * backlog_ms then
+    redis.call('PEXPIRE', instances, 2 * backlog_ms)
+  end
+end
 local backlogged, others = elsewhere()
 return {1, held + 1, '0', backlogged, others}
 """
@@ -188,6 +203,8 @@ class Share:
     wait_ms: int
     #: False: a headroom seat, granted outside the turn whenever one is free.
     turn: bool = True
+    #: How long the asker counts as backlogged there (``_ACQUIRE_FAIR``'s KEYS[4]); 0: not.
+    backlog_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +279,7 @@ class LeaseStore:
                     share.wait_ms,
                     int(share.turn),
                     self._owner,
+                    share.backlog_ms,
                 ],
             )
             lease_id = f"{share.tenant}|{lease_id}"

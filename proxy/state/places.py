@@ -118,7 +118,7 @@ class RedisPlaces:
 
     async def take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
-        *, headroom: bool = False,
+        *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
         share = None
         if tenant:
@@ -129,6 +129,7 @@ class RedisPlaces:
                 self._keys.waiting_weights(replica),
                 WAITING_MS,
                 turn=not headroom,
+                backlog_ms=round(backlog_s * 1000),
             )
         seat = Want(self._keys.seats(replica), seats, self.replica_channel(replica), share)
         place = None
