@@ -380,3 +380,25 @@ async def test_a_seat_answer_counts_the_seats_other_backlogged_processes_hold(
     again = await one.acquire(seats, 2, CHANNEL, share)
     assert isinstance(again, Lease) and again.seen == Seen(2, 0, 0)
     await timed.aclose()
+
+
+async def test_a_grant_with_a_backlog_counts_its_process_as_backlogged_for_that_long(
+    client: StateClient,
+) -> None:
+    """p1 takes both seats saying it has a backlog for 1 s (never refused: it holds every
+    seat it sees); p2, refused, counts both as a backlogged process's until then."""
+    clock = FakeClock(start=6_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    seats, waiting = KEYS.seats("gpu-8"), KEYS.waiting("gpu-8")
+    share = Share("a", 1.0, waiting, KEYS.waiting_weights("gpu-8"), 400)
+    one, two = LeaseStore(timed, "host:1:aa", 10_000), LeaseStore(timed, "host:2:bb", 10_000)
+    assert isinstance(await one.acquire(seats, 2, CHANNEL, share), Lease)
+    backlogged = replace(share, backlog_ms=1000)
+    second = await one.acquire(seats, 2, CHANNEL, backlogged)
+    assert isinstance(second, Lease) and second.seen == Seen(2, 0, 0)
+    refused = await two.acquire(seats, 2, CHANNEL, replace(share, tenant="b"))
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 2, 1)
+    clock.advance(1.1)  # p1 did not say it again
+    refused = await two.acquire(seats, 2, CHANNEL, replace(share, tenant="b"))
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 0, 0)
+    await timed.aclose()

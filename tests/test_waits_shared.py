@@ -29,6 +29,8 @@ class Peers:
         self.held = 0
         self.backlogged = False
         self.ours = 0
+        #: What each take of this instance said of its backlog (``backlog_s``).
+        self.said: list[float] = []
 
     def _elsewhere(self) -> Elsewhere:
         waiting = self.backlogged and self.held > 0
@@ -38,6 +40,7 @@ class Peers:
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
         *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
+        self.said.append(backlog_s)
         if self.held + self.ours >= seats:
             return Blocked("replica", replica, 60.0, elsewhere=self._elsewhere())
         self.ours += 1
@@ -161,3 +164,25 @@ async def test_peers_holding_seats_with_no_queue_only_delay_the_first_seats() ->
     assert retry_after == pytest.approx(SEAT_S * 10 + SEAT_S * 2 / 3)
     assert len(queued) == 41
     await end(d, running, queued)
+
+
+async def test_a_seat_call_says_how_long_this_instance_counts_as_backlogged() -> None:
+    """The others' waits learn of this instance's backlog from its seat calls: a ticket
+    granted with nobody queued says none (its refusal there says it waits); granted
+    again from the queue, it says two mean seat times (a saturated instance calls again
+    only when one of its own seats frees)."""
+    d, peers, clock = make()
+    await warm(d, clock)
+    assert set(peers.said) == {0.0}
+    peers.held = SEATS - 1
+    first = enqueue(d, clock)
+    seat = await d.wait(first)
+    queued = enqueue(d, clock)
+    waiter = asyncio.ensure_future(d.wait(queued))
+    await asyncio.sleep(0)  # granted here, refused in Redis: back in the queue
+    assert peers.said[-2:] == [0.0, 0.0] and len(d.scheduler) == 1
+    clock.advance(SEAT_S)
+    d.finish(first, seat)
+    await asyncio.sleep(0)
+    assert peers.said[-1] == pytest.approx(2 * SEAT_S)
+    d.finish(queued, await waiter)
