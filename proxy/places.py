@@ -24,7 +24,7 @@ class Elsewhere:
     """A replica's seats as other instances hold them, seen in a take's answer.
 
     ``held``: seats other instances hold; ``backlogged``: of those, the ones held by
-    instances waiting for a seat there too (``waiting`` of them). The waits of this
+    instances with a backlog there too (``waiting`` of them). The waits of this
     instance count them (``waits.py``): a backlogged instance keeps taking its part
     of every seat that frees; one with no queue only frees its seats.
     """

@@ -184,7 +184,7 @@ return redis.call('ZCOUNT', KEYS[1], '(' .. now_ms(), '+inf')
 
 
 def waiting_instances(waiting: str) -> str:
-    """The processes refused a seat lately, beside the tenants (``waiting``): same tag."""
+    """The processes backlogged for the replica, beside its waiting tenants: same tag."""
     return f"{waiting}:instances"
 
 
@@ -212,8 +212,9 @@ class Seen:
     """What a fair seat acquire saw of the seats (``_ACQUIRE_FAIR``), for the waits.
 
     ``held``: leases there after the call (the caller's included); ``backlogged``: of
-    those, the ones held by other processes that were refused a seat there lately
-    (``others`` of them): they take their part of every seat that frees.
+    those, the ones held by other processes backlogged there (refused a seat lately, or
+    granted one saying so; ``others`` of them): they take their part of every seat
+    that frees.
     """
 
     held: int
