@@ -57,7 +57,7 @@ from proxy.pressure import BudgetPressure
 from proxy.replicas import Replica, ReplicaName, ReplicaPool, Seat
 from proxy.reseats import Reseats
 from proxy.scheduler import Scheduler, Ticket
-from proxy.waits import Flow, Waits
+from proxy.waits import BACKLOG_SEAT_TIMES, DEFAULT_FREE_PLACE_S, Flow, Waits
 
 __all__ = ["Dispatcher", "TenantLimits"]
 
@@ -360,8 +360,9 @@ class Dispatcher:
         self._asking[asking] = self._asking.get(asking, 0) + 1
         try:
             answer = await self.shared.take(
-                ticket.tenant, cap, replica.name, seats, weight, headroom=seat.headroom
-            )
+                ticket.tenant, cap, replica.name, seats, weight, headroom=seat.headroom,
+                backlog_s=self._backlog_s(ticket),
+            )  # fmt: skip
         except BaseException:
             self._ungrant(ticket, seat)
             self.pump()
@@ -371,6 +372,8 @@ class Dispatcher:
                 del self._asking[asking]
             else:
                 self._asking[asking] -= 1
+        if answer.elsewhere is not None:
+            self.waits.seen_elsewhere(replica.name, answer.elsewhere, self._clock.now())
         if not isinstance(answer, Blocked):
             if self._serves(replica, ticket.model):
                 ticket.place, seat.lease = answer.place, answer.seat
@@ -435,6 +438,18 @@ class Dispatcher:
         ]
         if done:
             self.shared.stop_waiting(tenant, done)
+
+    def _backlog_s(self, ticket: Ticket) -> float:
+        """How long this process counts as backlogged for the ticket's pool, said with its
+        seat call for the other instances' waits; 0: no backlog. Backlogged: the ticket
+        waited in the queue, or more wait now. For ``BACKLOG_SEAT_TIMES`` mean seat times:
+        a saturated process calls again only when one of its own seats frees, and a
+        grant with no queue (seats freed together, closed-loop clients between two
+        requests) does not end its backlog."""
+        if ticket.future is None and not len(self.scheduler.of(ticket.model)):
+            return 0.0
+        mean = self.waits.seat_time_of(ticket.model).mean_s
+        return BACKLOG_SEAT_TIMES * (mean or DEFAULT_FREE_PLACE_S)
 
     def _headroom_instead(self, ticket: Ticket) -> bool:
         """A regular seat refused across the instances: the knee is full, which this

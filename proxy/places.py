@@ -21,11 +21,28 @@ PlaceKind = Literal["tenant", "replica"]
 
 
 @dataclass(frozen=True, slots=True)
+class Elsewhere:
+    """A replica's seats as other instances hold them, seen in a take's answer.
+
+    ``held``: seats other instances hold; ``backlogged``: of those, the ones held by
+    instances with a backlog there too (``waiting`` of them). The waits of this
+    instance count them (``waits.py``): a backlogged instance keeps taking its part
+    of every seat that frees; one with no queue only frees its seats.
+    """
+
+    held: int
+    backlogged: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
 class Held:
     """The shared places one grant holds (opaque handles, given back one by one)."""
 
     place: object | None
     seat: object
+    #: What the seat's answer said of the other instances (None: nothing seen).
+    elsewhere: Elsewhere | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,17 +55,21 @@ class Blocked:
     #: A replica seat was free, but another tenant waiting there had the fair turn: the
     #: refusal concerns this tenant only, not the replica (``Dispatcher._turn_refused``).
     turn: bool = False
+    #: As in ``Held``, when the replica's seat answered.
+    elsewhere: Elsewhere | None = None
 
 
 class SharedPlaces(Protocol):
     async def take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
-        *, headroom: bool = False,
+        *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
         """The tenant's place (when ``cap``) and one of ``seats`` seats of ``replica``,
         the seat in the tenant's fair turn (``weight``) among the tenants waiting there;
         ``headroom``: a headroom seat, outside the turn (this process found the tenant
-        below its fair share of recent work).
+        below its fair share of recent work); ``backlog_s``: how long this process
+        counts as backlogged for the replica (the other instances' waits count it;
+        0: it has no backlog).
 
         Both or neither; raises ``StateUnavailable`` when the state is down and
         ``on_failure`` is ``reject``.

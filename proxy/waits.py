@@ -11,6 +11,14 @@ whole fleet): its serving seats, its own queue and the seats its replicas
 run now, and its own mean seat time: a pool of a slow model (long answers,
 a big model) must not make a fast pool's waits look long, nor the other way
 round. The fleet's seat time (every pool's requests) serves ``model=None``.
+
+With shared state the pool's seats are shared with other instances, and
+only this instance's requests run in ``_running``: what the others hold is
+seen in the seat answers the dispatcher gets anyway (``seen_elsewhere``, no
+call of its own). Their seats are busy, not free, and an instance that is
+backlogged there too takes its part of every seat that frees: this one gets
+only ``_share_here`` of the pool's releases (docs/ARCHITECTURE.md, "Waits
+across instances"). Nothing seen (one process, or idle peers): all of them.
 """
 
 from __future__ import annotations
@@ -28,11 +36,16 @@ from proxy.estimators import (
 )
 
 if TYPE_CHECKING:
+    from proxy.places import Elsewhere
     from proxy.replicas import Replica, ReplicaPool
     from proxy.scheduler import Scheduler
 
 #: Retry-After when nothing is known yet about seat times.
 DEFAULT_FREE_PLACE_S = 1.0
+#: With shared state, a process with a backlog for a replica counts as backlogged there
+#: for this many mean seat times after its last seat call (it calls again when one of
+#: its own seats frees), and a sighting of the others' seats counts as long.
+BACKLOG_SEAT_TIMES = 2.0
 #: The wait estimator fails open until it has seen this many dispatches end
 #: (their seat times), so a cold proxy never refuses on no data.
 MIN_DISPATCHES_TO_PREDICT = 20
@@ -56,8 +69,8 @@ class Waits:
     """
 
     __slots__ = (
-        "_flow", "_members", "_pool", "_pool_of", "_pool_seat_times", "_queue_of", "_recent",
-        "_recent_on", "_running", "_scheduler", "_turnover", "seat_time",
+        "_elsewhere", "_flow", "_members", "_pool", "_pool_of", "_pool_seat_times", "_queue_of",
+        "_recent", "_recent_on", "_running", "_scheduler", "_turnover", "seat_time",
     )  # fmt: skip
 
     def __init__(
@@ -89,6 +102,8 @@ class Waits:
         self._turnover = BackloggedTurnover()
         #: When each running request got its seat, and where (for the release times).
         self._running: dict[int, tuple[float, Replica]] = {}
+        #: Per replica, when its seats were last seen held by other instances, and how.
+        self._elsewhere: dict[str, tuple[float, Elsewhere]] = {}
 
     def queued(self, tenant: str, priority: str, model: str | None) -> None:
         """A ticket joined its flow's queue; the first one starts a new backlog."""
@@ -137,6 +152,59 @@ class Waits:
             return self.seat_time
         return self._pool_seat_times.get(model) or SeatTime()
 
+    def seen_elsewhere(self, replica: str, elsewhere: Elsewhere, now: float) -> None:
+        """A seat answer of the shared state said how other instances hold ``replica``'s
+        seats now; the latest answer per replica counts, for a mean seat time."""
+        if elsewhere.held or elsewhere.waiting:
+            self._elsewhere[replica] = (now, elsewhere)
+        else:
+            self._elsewhere.pop(replica, None)
+
+    def _held_elsewhere(self, model: str | None, now: float) -> tuple[int, int, int]:
+        """Seats of the pool's serving replicas that other instances hold, as last seen:
+        all of them, those of instances backlogged there, and the most instances
+        backlogged on one replica. A sighting older than ``BACKLOG_SEAT_TIMES`` mean
+        seat times is dropped: every seat seen has turned over since, and a backlog
+        seen then has been said again or is over."""
+        if not self._elsewhere:
+            return 0, 0, 0
+        mean = self.seat_time_of(model).mean_s
+        members = self._members(model)
+        held = backlogged = waiting = 0
+        for replica in self._pool.replicas:
+            seen = self._elsewhere.get(replica.name)
+            if seen is None or not replica.serving or not mean:
+                continue
+            if now - seen[0] > BACKLOG_SEAT_TIMES * mean:
+                continue
+            if members is not None and replica.name not in members:
+                continue
+            held += seen[1].held
+            backlogged += seen[1].backlogged
+            waiting = max(waiting, seen[1].waiting)
+        return held, backlogged, waiting
+
+    def _share_here(self, model: str | None, now: float) -> float:
+        """The part of the pool's seat releases this instance gets now.
+
+        Instances with no queue there only free their seats, and a backlog here
+        takes them all: 1.0. Backlogged ones take their part of every seat that
+        frees: about what they hold now against what this instance holds (the
+        seats' fair rule shares them by tenant, across the instances), and never
+        less than an even split among the instances backlogged there (this one
+        holding nothing yet: a burst just arrived, refused, still gets its turns).
+        """
+        _, backlogged, waiting = self._held_elsewhere(model, now)
+        if not backlogged:
+            return 1.0
+        members = self._members(model)
+        own = sum(
+            1
+            for _, replica in self._running.values()
+            if replica.serving and (members is None or replica.name in members)
+        )
+        return max(own / (own + backlogged), 1.0 / (1 + waiting))
+
     def forget_idle(self, now: float) -> None:
         self._recent.forget_idle(now)
         for name, recent in list(self._recent_on.items()):
@@ -144,6 +212,10 @@ class Waits:
             if not recent:  # nothing left (a replica a reload removed, too)
                 del self._recent_on[name]
         self._turnover.forget_idle(now)
+        horizon = BACKLOG_SEAT_TIMES * (self.seat_time.mean_s or 0.0)
+        for name, (seen_at, _) in list(self._elsewhere.items()):
+            if now - seen_at > horizon:
+                del self._elsewhere[name]
 
     def _recent_others(self, tenant: str, now: float, model: str | None) -> tuple[float, list[str]]:
         """Dispatches per second by tenants other than ``tenant`` on the pool's replicas
@@ -249,6 +321,9 @@ class Waits:
         capacity = self.capacity(model)
         if capacity is None:
             return None
+        here = self._share_here(model, now)
+        if here < 1.0:
+            capacity *= here  # what other instances backlogged there leave this one
         scheduler = self._queue_of(model)
         share = scheduler.share_of(tenant, priority)
         others, active = self._recent_others(tenant, now, model)
@@ -278,7 +353,9 @@ class Waits:
         everything queued now scaled by the queue's, whichever is sooner
         (unless its own cap holds it back: then its own seats turn over).
         Retries waiting for a seat (``reseating``) take one ahead of every
-        queued ticket.
+        queued ticket. The releases counted are the pool's: with other instances
+        backlogged there the rates are this instance's part (``_share_here``),
+        so the same work takes more of the pool's releases.
         """
         rates = self.drain_rates(tenant, priority, now, model)
         if rates is None:
@@ -292,7 +369,11 @@ class Waits:
         capacity = self.capacity(model)
         assert capacity is not None  # known whenever the rates are
         queued = len(queue) + 1
-        releases = min(own * capacity / flow, queued * capacity / whole) + state.reseating
+        reseating: float = state.reseating
+        here = self._share_here(model, now)
+        if here < 1.0:
+            reseating /= here  # each retry's seat, too, takes this many of the pool's
+        releases = min(own * capacity / flow, queued * capacity / whole) + reseating
         return self._time_to_release(max(1, math.ceil(releases - 1e-9)), now, model)
 
     def _time_to_release(self, n: int, now: float, model: str | None = None) -> float:
@@ -309,11 +390,16 @@ class Waits:
         if not mean or not seats:
             return 0.0
         members = self._members(model)
-        due = sorted(
+        due = [
             max(0.0, mean - (now - granted_at))
             for granted_at, replica in self._running.values()
             if replica.serving and (members is None or replica.name in members)
-        )[:seats]
+        ]
+        # Seats other instances hold are busy, not free; when each started is not
+        # known: they free spread over the next mean seat time.
+        elsewhere = self._held_elsewhere(model, now)[0]
+        due.extend(mean * (i + 1) / (elsewhere + 1) for i in range(elsewhere))
+        due = sorted(due)[:seats]
         due.extend([0.0] * (seats - len(due)))
         due.sort()
         rounds, index = divmod(n - 1, seats)

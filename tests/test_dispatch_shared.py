@@ -40,7 +40,7 @@ class OtherInstances:
 
     async def take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
-        *, headroom: bool = False,
+        *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
         if self.down:
             raise StateUnavailable("down", retry_after_s=1.0)

@@ -401,3 +401,66 @@ async def test_a_tenant_gets_its_share_through_another_process(
         assert done["b"] >= share * (done["a"] + done["b"]), done
     finally:
         await _stop(proxies)
+
+
+async def test_a_burst_on_a_second_process_is_predicted_against_its_part_of_the_seats(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """a floods the 4 seats through process 1, backlogged there for a while; then b sends
+    30 requests to process 2, one every 10 ms. The fair turn gives b about half the seats,
+    and process 2 learns from its first seat answers that a backlogged process holds the
+    rest: it admits what half the seats serve in the 1.5 s queue budget and refuses the
+    rest on their predicted wait, so almost nothing it admits times out in the queue.
+    Counting all 4 seats as its own and free, it refused 10 and 11 of the 20 it admitted
+    timed out (3 runs on a loaded 2-core machine; 20 to 22 refused, 0 or 1 timed out
+    since)."""
+    config = _config(sim, redis_server)
+    del config["tenants"]["a"]["max_concurrency"]
+    config["budgets"] = {"queue_ms": 1500, "first_byte_ms": 10_000, "total_ms": 25_000}
+    proxies = await _start(tmp_path, config, 2)
+    stop = asyncio.Event()
+    flooded = 0
+
+    async def flood(session: aiohttp.ClientSession, url: str) -> None:
+        nonlocal flooded
+        headers = {"Authorization": f"Bearer {KEYS['a']}"}
+        for _ in range(500):  # bounded; ``stop`` ends it far sooner
+            if stop.is_set():
+                return
+            async with session.post(url + CHAT, json=_body(8), headers=headers) as resp:
+                await resp.read()
+            flooded += 1
+
+    async def reason(session: aiohttp.ClientSession, url: str, delay_s: float) -> str:
+        await asyncio.sleep(delay_s)
+        headers = {"Authorization": f"Bearer {KEYS['b']}"}
+        async with session.post(url + CHAT, json=_body(8), headers=headers) as resp:
+            await resp.read()
+            return resp.headers.get("X-Admission-Reason", str(resp.status))
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, proxies)
+            for proxy in proxies:  # seat times for each process's estimator, one at a time
+                for _ in range(4):
+                    assert await _burst(session, [proxy.url], "b", 6) == [200] * 6
+            flood_tasks = [asyncio.create_task(flood(session, proxies[0].url)) for _ in range(6)]
+            try:
+                async with asyncio.timeout(WAIT_S):
+                    while flooded < 8:  # a holds every seat, with a backlog, for a while
+                        await asyncio.sleep(0.02)
+                    answers = await asyncio.gather(
+                        *(reason(session, proxies[1].url, i * 0.01) for i in range(30))
+                    )
+            finally:
+                stop.set()
+                async with asyncio.timeout(WAIT_S):
+                    await asyncio.gather(*flood_tasks)
+    finally:
+        await _stop(proxies)
+    refused = answers.count("predicted_wait_exceeds_budget")
+    timed_out = answers.count("queue_timeout")
+    served = answers.count("200")
+    assert served + refused + timed_out == 30, answers
+    assert refused >= 10 and served >= 4, answers
+    assert timed_out <= max(3, served // 2), answers  # generous: a loaded machine

@@ -17,7 +17,7 @@ from proxy.clock import FakeClock
 from proxy.settings import StateConfig
 from proxy.state.client import StateClient, StateDown
 from proxy.state.keys import StateKeys
-from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Seen, Share
 from proxy.state.notify import FreedListener
 from proxy.state.pair import Refused, Want, acquire_pair
 from tests.redis_server import RedisServer
@@ -379,4 +379,54 @@ async def test_a_process_removes_only_its_own_waiting_entry(client: StateClient)
     assert isinstance(await p1.acquire(SEATS, 2, CHANNEL, _share("b")), Lease)
     assert isinstance(await p2.acquire(SEATS, 2, CHANNEL, _share("c")), Full)  # full: waits
     assert await p2.unwait(SEATS, waiting, "c", 2, CHANNEL) == 1  # nobody else waits
+    await timed.aclose()
+
+
+async def test_a_seat_answer_counts_the_seats_other_backlogged_processes_hold(
+    client: StateClient,
+) -> None:
+    """p1 and p2 hold one of 2 seats each. Until p2 is refused there, p1's answers count
+    no backlogged process; once it is, they count its seat (and it) until its 400 ms end;
+    p2's own answers never count itself."""
+    clock = FakeClock(start=5_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    seats, waiting = KEYS.seats("gpu-9"), KEYS.waiting("gpu-9")
+    share = Share("a", 1.0, waiting, KEYS.waiting_weights("gpu-9"), 400)
+    one, two = LeaseStore(timed, "host:1:aa", 10_000), LeaseStore(timed, "host:2:bb", 10_000)
+    first = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(first, Lease) and first.seen == Seen(1, 0, 0)
+    second = await two.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(second, Lease) and second.seen == Seen(2, 0, 0)
+    refused = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 0, 0)
+    refused = await two.acquire(seats, 2, CHANNEL, share)  # p1 waits: its seat counts
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 1, 1)
+    refused = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 1, 1)
+    clock.advance(0.5)  # neither asks again: neither counts as waiting any more
+    assert await one.release(first)
+    again = await one.acquire(seats, 2, CHANNEL, share)
+    assert isinstance(again, Lease) and again.seen == Seen(2, 0, 0)
+    await timed.aclose()
+
+
+async def test_a_grant_with_a_backlog_counts_its_process_as_backlogged_for_that_long(
+    client: StateClient,
+) -> None:
+    """p1 takes both seats saying it has a backlog for 1 s (never refused: it holds every
+    seat it sees); p2, refused, counts both as a backlogged process's until then."""
+    clock = FakeClock(start=6_000_000.0)
+    timed = StateClient(client.config, clock=clock)
+    seats, waiting = KEYS.seats("gpu-8"), KEYS.waiting("gpu-8")
+    share = Share("a", 1.0, waiting, KEYS.waiting_weights("gpu-8"), 400)
+    one, two = LeaseStore(timed, "host:1:aa", 10_000), LeaseStore(timed, "host:2:bb", 10_000)
+    assert isinstance(await one.acquire(seats, 2, CHANNEL, share), Lease)
+    backlogged = replace(share, backlog_ms=1000)
+    second = await one.acquire(seats, 2, CHANNEL, backlogged)
+    assert isinstance(second, Lease) and second.seen == Seen(2, 0, 0)
+    refused = await two.acquire(seats, 2, CHANNEL, replace(share, tenant="b"))
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 2, 1)
+    clock.advance(1.1)  # p1 did not say it again
+    refused = await two.acquire(seats, 2, CHANNEL, replace(share, tenant="b"))
+    assert isinstance(refused, Full) and refused.seen == Seen(2, 0, 0)
     await timed.aclose()

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxy.state.client import StateClient, StateDown
 
@@ -58,14 +58,27 @@ return {1, held + 1, '0'}
 #: fair share of recent work, the rule of headroom; the seats held now would count
 #: its headroom seats against it and hand the turn to the flood). ARGV[9]: the
 #: owner (the process) whose waiting entry a refusal writes and a grant removes.
+#:
+#: KEYS[4] (``<waiting>:instances``) is the same for processes: owner (ARGV[9]) ->
+#: expiry, the processes with a backlog for the replica: recorded with every refusal
+#: (for ``wait_ms``: it asks again within half of that), and with a grant for the
+#: ``backlog_ms`` the caller says (ARGV[10], 0: none; a process holding every seat
+#: it can see asks again only when one of its own frees, so it says a few seat
+#: times). A grant never removes it: seats freed together are taken at once by
+#: requests that did not queue, while the process stays saturated. Every answer also
+#: says what the prediction of waits needs (``Seen``): the seats held by the *other*
+#: processes backlogged there (they keep taking their part of every seat that
+#: frees), and how many there are. Counted only while there is one: a lone process
+#: pays nothing.
 _ACQUIRE_FAIR = """
 local now = now_ms()
-local key, waiting, weights = KEYS[1], KEYS[2], KEYS[3]
+local key, waiting, weights, instances = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, limit, lease_ms = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local tenant, weight, wait_ms = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
-local mine = tenant .. '|' .. ARGV[9]
+local tenant, weight, wait_ms, owner = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[9]
+local mine = tenant .. '|' .. owner
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 redis.call('ZREMRANGEBYSCORE', waiting, '-inf', now)
+redis.call('ZREMRANGEBYSCORE', instances, '-inf', now)
 local held = redis.call('ZCARD', key)
 local refuse = nil
 if held >= limit then
@@ -94,17 +107,43 @@ elseif ARGV[8] ~= '0' then
     refuse = wait_ms
   end
 end
+local function elsewhere()
+  local others = redis.call('ZCARD', instances)
+  if redis.call('ZSCORE', instances, owner) then others = others - 1 end
+  if others == 0 then return 0, 0 end
+  local backlogged = 0
+  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    local o = string.match(m, '([^|]*):%d+$')
+    if o and o ~= owner and redis.call('ZSCORE', instances, o) then
+      backlogged = backlogged + 1
+    end
+  end
+  return backlogged, others
+end
 if refuse then
   redis.call('ZADD', waiting, now + wait_ms, mine)
   redis.call('HSET', weights, tenant, ARGV[6])
+  redis.call('ZADD', instances, now + wait_ms, owner)
   redis.call('PEXPIRE', waiting, 2 * wait_ms)
   redis.call('PEXPIRE', weights, 2 * wait_ms)
-  return {0, held, tostring(math.min(refuse, math.floor(wait_ms / 2)))}
+  if redis.call('PTTL', instances) < 2 * wait_ms then
+    redis.call('PEXPIRE', instances, 2 * wait_ms)
+  end
+  local backlogged, others = elsewhere()
+  return {0, held, tostring(math.min(refuse, math.floor(wait_ms / 2))), backlogged, others}
 end
 redis.call('ZREM', waiting, mine)
 redis.call('ZADD', key, now + lease_ms, tenant .. '|' .. id)
 redis.call('PEXPIRE', key, 2 * lease_ms)
-return {1, held + 1, '0'}
+local backlog_ms = tonumber(ARGV[10])
+if backlog_ms > 0 then
+  redis.call('ZADD', instances, now + backlog_ms, owner)
+  if redis.call('PTTL', instances) < 2 * backlog_ms then
+    redis.call('PEXPIRE', instances, 2 * backlog_ms)
+  end
+end
+local backlogged, others = elsewhere()
+return {1, held + 1, '0', backlogged, others}
 """
 
 #: A tenant no longer waits for a seat here (this process's queue for it emptied):
@@ -166,6 +205,11 @@ return redis.call('ZCOUNT', KEYS[1], '(' .. now_ms(), '+inf')
 """
 
 
+def waiting_instances(waiting: str) -> str:
+    """The processes backlogged for the replica, beside its waiting tenants: same tag."""
+    return f"{waiting}:instances"
+
+
 @dataclass(frozen=True, slots=True)
 class Share:
     """Who asks for a seat, for fair sharing across processes (``_ACQUIRE_FAIR``).
@@ -181,6 +225,23 @@ class Share:
     wait_ms: int
     #: False: a headroom seat, granted outside the turn whenever one is free.
     turn: bool = True
+    #: How long the asker counts as backlogged there (``_ACQUIRE_FAIR``'s KEYS[4]); 0: not.
+    backlog_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What a fair seat acquire saw of the seats (``_ACQUIRE_FAIR``), for the waits.
+
+    ``held``: leases there after the call (the caller's included); ``backlogged``: of
+    those, the ones held by other processes backlogged there (refused a seat lately, or
+    granted one saying so; ``others`` of them): they take their part of every seat
+    that frees.
+    """
+
+    held: int
+    backlogged: int
+    others: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +250,8 @@ class Lease:
     id: str
     #: Where its release is announced (``StateKeys.freed_channel``).
     channel: str
+    #: A seat taken in a fair turn: what Redis said of the seats then.
+    seen: Seen | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +262,7 @@ class Full:
     retry_in_s: float
     #: Below the limit: a seat was free but not the asker's fair turn (``_ACQUIRE_FAIR``).
     turn: bool = False
+    seen: Seen | None = None
 
 
 class LeaseStore:
@@ -220,14 +284,15 @@ class LeaseStore:
         With ``share`` (a replica seat) the place goes to the tenant only in its
         fair turn among the tenants waiting there (still one call)."""
         lease_id = f"{self._owner}:{next(self._ids)}"
+        seen = None
         if share is None:
             granted, held, wait = await self._client.run(
                 _ACQUIRE, [key], [lease_id, limit, self.lease_ms]
             )
         else:
-            granted, held, wait = await self._client.run(
+            granted, held, wait, backlogged, others = await self._client.run(
                 _ACQUIRE_FAIR,
-                [key, share.waiting, share.weights],
+                [key, share.waiting, share.weights, waiting_instances(share.waiting)],
                 [
                     lease_id,
                     limit,
@@ -237,13 +302,15 @@ class LeaseStore:
                     share.wait_ms,
                     int(share.turn),
                     self._owner,
+                    share.backlog_ms,
                 ],
             )
             lease_id = f"{share.tenant}|{lease_id}"
+            seen = Seen(int(held), int(backlogged), int(others))
         if int(granted):
-            return Lease(key, lease_id, channel)
+            return Lease(key, lease_id, channel, seen)
         turn = share is not None and int(held) < limit
-        return Full(int(held), max(0.0, float(wait)) / 1000, turn)
+        return Full(int(held), max(0.0, float(wait)) / 1000, turn, seen)
 
     async def release(self, lease: Lease) -> bool:
         """Give the place back; False when it was no longer held (expired or lost)."""

@@ -41,10 +41,10 @@ import time
 from collections.abc import Callable, Collection, Iterable
 
 from proxy.errors import StateUnavailable
-from proxy.places import Blocked, Held, PlaceKind
+from proxy.places import Blocked, Elsewhere, Held, PlaceKind
 from proxy.state.client import StateClient, StateDown
 from proxy.state.keys import StateKeys
-from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
+from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Seen, Share
 from proxy.state.pair import Refused, Want, acquire_pair
 
 #: While Redis is down, a place found full locally is looked at again after this long
@@ -132,7 +132,7 @@ class RedisPlaces:
 
     async def take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
-        *, headroom: bool = False,
+        *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
         share = None
         if tenant:
@@ -143,6 +143,7 @@ class RedisPlaces:
                 self._keys.waiting_weights(replica),
                 WAITING_MS,
                 turn=not headroom,
+                backlog_ms=round(backlog_s * 1000),
             )
         seat = Want(self._keys.seats(replica), seats, self.replica_channel(replica), share)
         place = None
@@ -161,12 +162,11 @@ class RedisPlaces:
         try:
             if place is None:
                 got = await self.store.acquire(seat.key, seat.limit, seat.channel, seat.share)
-                if isinstance(got, Full):
-                    self._waited(tenant, replica, seats)
-                    return Blocked("replica", replica, got.retry_in_s, got.turn)
-                self._seated(tenant, replica)
-                return self._held(None, got)
-            pair = await acquire_pair(self.store, place, seat)
+                pair: tuple[Lease | None, Lease] | Refused = (
+                    Refused(1, got) if isinstance(got, Full) else (None, got)
+                )
+            else:
+                pair = await acquire_pair(self.store, place, seat)
         except StateDown as down:
             self._count(reserved, -1)
             reserved = []
@@ -178,9 +178,20 @@ class RedisPlaces:
             name = tenant if pair.which == 0 else replica
             if pair.which == 1:
                 self._waited(tenant, replica, seats)
-            return Blocked(kind, name, pair.full.retry_in_s, pair.full.turn)
+            full = pair.full
+            seen = self._elsewhere(seat.key, full.seen) if pair.which == 1 else None
+            return Blocked(kind, name, full.retry_in_s, full.turn, seen)
         self._seated(tenant, replica)
         return self._held(*pair)
+
+    def _elsewhere(self, key: str, seen: Seen | None) -> Elsewhere | None:
+        """A seat answer as other instances hold the seats: what Redis counted less what
+        this process holds there (a granted lease already counted in ``counts``). A take
+        of this process still in flight counts as another's until its answer."""
+        if seen is None:
+            return None
+        others = max(0, seen.held - self.counts.get(key, 0))
+        return Elsewhere(others, min(others, seen.backlogged), seen.others)
 
     def _count(self, keys: list[str], step: int) -> None:
         for key in keys:
@@ -293,7 +304,7 @@ class RedisPlaces:
             if lease is not None:
                 self.counts[lease.key] = self.counts.get(lease.key, 0) + 1
                 self.keeper.add(lease)
-        return Held(place, seat)
+        return Held(place, seat, self._elsewhere(seat.key, seat.seen))
 
     # -- giving back -------------------------------------------------------------------
 
