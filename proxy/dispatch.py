@@ -383,7 +383,11 @@ class Dispatcher:
                 if handle is not None:
                     self.shared.give_back(handle)
             self._ungrant(ticket, seat)
-            self._requeue(ticket)
+            try:
+                self._requeue(ticket)
+            except BaseException:
+                self.pump()  # its refusal raised before ``_requeue`` pumped: the seat to others
+                raise
             return False
         self._ungrant(ticket, seat)
         if answer.turn:

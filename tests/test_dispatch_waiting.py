@@ -338,3 +338,30 @@ async def test_a_replica_removed_during_a_retry_seat_call_is_not_used(
 
 async def _held(setup: Setup, replica: str, seats: int) -> bool:
     return await setup.here.held(KEYS.seats(replica)) == seats
+
+
+@pytest.mark.parametrize("setup", [{"r0": 1}], indirect=True)
+async def test_a_seat_given_back_for_a_model_gone_goes_to_the_next_queued_ticket(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a's request for m holds r0's one seat here and asks Redis for it; meanwhile r0 stops
+    serving m and serves n, and b's request for n queues behind that seat. a gets its 404;
+    the seat it gave back must go to b at once (nothing else would hand it out: b waited
+    out its whole queue budget with r0 idle)."""
+    d, gate = setup.d, _gate(setup, monkeypatch)
+    table = _pools(setup, {"r0": frozenset({"m"})})
+    a = setup.enqueue("a", "m")
+    assert a.seat is not None and a.seat.replica.name == "r0"
+    waiter = asyncio.create_task(d.wait(a))
+    await asyncio.wait_for(gate.entered.wait(), BOUND_S)
+    table.update("r0", frozenset({"n"}))
+    d.fleet_changed()
+    b = setup.enqueue("b", "n")
+    assert b.seat is None, "r0's seat is a's until its call returns"
+    b_waiter = asyncio.create_task(d.wait(b))
+    gate.opened.set()
+    with pytest.raises(ModelNotFound):
+        await asyncio.wait_for(waiter, BOUND_S)
+    b_seat = await asyncio.wait_for(b_waiter, BOUND_S)
+    assert b_seat.replica.name == "r0" and b_seat.lease is not None
+    d.finish(b, b_seat)
