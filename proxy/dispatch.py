@@ -386,7 +386,7 @@ class Dispatcher:
                 if handle is not None:
                     self.shared.give_back(handle)
             self._ungrant(ticket, seat)
-            self._requeue(ticket)
+            self._requeue_ungranted(ticket)
             return False
         self._ungrant(ticket, seat)
         if answer.turn:
@@ -404,8 +404,18 @@ class Dispatcher:
             return False  # ``wait`` takes its headroom seat's shared places next
         if answer.kind == "replica" and not answer.turn:
             self._hold_if_avoiding(ticket)  # the seat it took instead was full elsewhere
-        self._requeue(ticket)
+        self._requeue_ungranted(ticket)
         return False
+
+    def _requeue_ungranted(self, ticket: Ticket) -> None:
+        """``_requeue`` after ``_ungrant``, which freed the local seat without a pump:
+        when the ticket's refusal is raised instead (expired, model gone, closing), the
+        pump still runs, or a ticket queued behind that seat waited for the next event."""
+        try:
+            self._requeue(ticket)
+        except BaseException:
+            self.pump()
+            raise
 
     def _serves(self, replica: Replica, model: str | None) -> bool:
         """``replica`` is still in the fleet and in ``model``'s pool: checked after the

@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from proxy.admitted import Deadline
 from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher, TenantLimits
-from proxy.errors import ModelNotFound
+from proxy.errors import ModelNotFound, QueueTimeout
 from proxy.models import ModelTable
 from proxy.replicas import Replica, ReplicaPool
 from proxy.scheduler import FairScheduler, Ticket
@@ -338,3 +338,65 @@ async def test_a_replica_removed_during_a_retry_seat_call_is_not_used(
 
 async def _held(setup: Setup, replica: str, seats: int) -> bool:
     return await setup.here.held(KEYS.seats(replica)) == seats
+
+
+@pytest.mark.parametrize("setup", [{"r0": 1}], indirect=True)
+async def test_a_seat_given_back_for_a_model_gone_goes_to_the_next_queued_ticket(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a's request for m holds r0's one seat here and asks Redis for it; meanwhile r0 stops
+    serving m and serves n, and b's request for n queues behind that seat. a gets its 404;
+    the seat it gave back must go to b at once (nothing else would hand it out: b waited
+    out its whole queue budget with r0 idle)."""
+    d, gate = setup.d, _gate(setup, monkeypatch)
+    table = _pools(setup, {"r0": frozenset({"m"})})
+    a = setup.enqueue("a", "m")
+    assert a.seat is not None and a.seat.replica.name == "r0"
+    waiter = asyncio.create_task(d.wait(a))
+    await asyncio.wait_for(gate.entered.wait(), BOUND_S)
+    table.update("r0", frozenset({"n"}))
+    d.fleet_changed()
+    b = setup.enqueue("b", "n")
+    assert b.seat is None, "r0's seat is a's until its call returns"
+    b_waiter = asyncio.create_task(d.wait(b))
+    gate.opened.set()
+    with pytest.raises(ModelNotFound):
+        await asyncio.wait_for(waiter, BOUND_S)
+    b_seat = await asyncio.wait_for(b_waiter, BOUND_S)
+    assert b_seat.replica.name == "r0" and b_seat.lease is not None
+    d.finish(b, b_seat)
+
+
+@pytest.mark.parametrize("setup", [{"r0": 2}], indirect=True)
+async def test_a_seat_given_back_for_a_turn_refused_at_expiry_goes_to_the_next_queued_ticket(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """x waits at r0 through the other instance; a holds one of r0's 2 seats here. a's
+    second request takes the other seat and asks Redis for it: not a's turn (tag 2 above
+    x's 1), and its queue budget ended during the call, so it gets its queue_timeout. b,
+    queued meanwhile behind that seat, must get it at once (the refusal raised before
+    the requeue's pump: b waited out its budget beside the free seat)."""
+    d = setup.d
+    for _ in range(2):
+        assert isinstance(await setup.elsewhere("y", "r0", 2), Lease)
+    assert isinstance(await setup.elsewhere("x", "r0", 2), Full)  # x waits at r0
+    assert await setup.redis.delete(KEYS.seats("r0")) == 1  # y's seats back
+    first = setup.enqueue("a")
+    first_seat = await asyncio.wait_for(d.wait(first), BOUND_S)
+    gate = _gate(setup, monkeypatch)
+    short = BudgetsConfig(queue_ms=1000, first_byte_ms=1000, total_ms=120_000)
+    second = d.enqueue_in(None, "a", "standard", 10.0, Deadline.start(setup.clock.now(), short))
+    assert second.seat is not None and second.seat.replica.name == "r0"
+    waiter = asyncio.create_task(d.wait(second))
+    await asyncio.wait_for(gate.entered.wait(), BOUND_S)
+    setup.clock.advance(2.0)  # its 1 s budget ends; nothing in Redis (a minute) expires
+    b = setup.enqueue("b")
+    assert b.seat is None, "r0's seats are a's"
+    b_waiter = asyncio.create_task(d.wait(b))
+    gate.opened.set()
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(waiter, BOUND_S)
+    b_seat = await asyncio.wait_for(b_waiter, BOUND_S)
+    assert b_seat.replica.name == "r0" and b_seat.lease is not None
+    d.finish(b, b_seat)
+    d.finish(first, first_seat)

@@ -70,6 +70,7 @@ class RedisPlaces:
         "_keys",
         "_pending",
         "_shared_from",
+        "_taking",
         "_unwaits",
         "_waits",
         "_wake",
@@ -102,6 +103,9 @@ class RedisPlaces:
         self._waits: dict[str, dict[str, tuple[float, int]]] = {}
         #: Of those, the ones to remove (``stop_waiting``), sent by ``run``.
         self._unwaits: dict[tuple[str, str], tuple[float, int]] = {}
+        #: Seat calls in flight per (tenant, replica): their answer settles the entry (a
+        #: grant removes it, a refusal writes it afresh), so no removal is sent meanwhile.
+        self._taking: dict[tuple[str, str], int] = {}
 
     def __repr__(self) -> str:
         return (
@@ -133,6 +137,22 @@ class RedisPlaces:
     async def take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float = 1.0,
         *, headroom: bool = False, backlog_s: float = 0.0,
+    ) -> Held | Blocked:  # fmt: skip
+        if not tenant:
+            return await self._take(tenant, cap, replica, seats, weight, headroom)
+        asking = (tenant, replica)
+        self._taking[asking] = self._taking.get(asking, 0) + 1
+        try:
+            return await self._take(tenant, cap, replica, seats, weight, headroom)
+        finally:
+            if self._taking[asking] == 1:
+                del self._taking[asking]
+            else:
+                self._taking[asking] -= 1
+
+    async def _take(
+        self, tenant: str, cap: int | None, replica: str, seats: int, weight: float,
+        headroom: bool,
     ) -> Held | Blocked:  # fmt: skip
         share = None
         if tenant:
@@ -257,6 +277,8 @@ class RedisPlaces:
         for index, ((tenant, replica), (at, seats)) in enumerate(batch):
             if at <= oldest or replica in self._waits.get(tenant, {}):
                 continue  # expired, or refused again: it waits there once more
+            if (tenant, replica) in self._taking:
+                continue  # asking again: its answer removes or rewrites the entry
             try:
                 await self.store.unwait(
                     self._keys.seats(replica), self._keys.waiting(replica), tenant, seats,
