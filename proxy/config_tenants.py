@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 from pydantic import (
     AfterValidator,
     Field,
-    field_validator,
     model_validator,
 )
 
@@ -97,15 +96,6 @@ class TenantConfig(Section):
     #: Models (or aliases) this tenant may use; ``None``: every model.
     allowed_models: tuple[ModelName, ...] | None = None
     token_quota: TokenQuotaConfig = TokenQuotaConfig()
-
-    @field_validator("allowed_models")
-    @classmethod
-    def _check_allowed_models(cls, models: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        # An empty list would refuse every model: LiteLLM reads its empty `models` as
-        # every model, so an operator writing [] most likely meant null.
-        if models is not None and not models:
-            raise rule("list the models (or aliases) this tenant may use, or null for every model")
-        return models
 
     @model_validator(mode="after")
     def _check_burst_has_rate(self) -> TenantConfig:
