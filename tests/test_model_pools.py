@@ -170,6 +170,26 @@ async def test_model_refusals_carry_the_error_and_take_no_seat(
     proxy.assert_idle()
 
 
+async def test_an_empty_allowed_models_list_allows_no_model(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """``allowed_models: []`` is a list of no names (the contract: null is every model,
+    else the names listed): every model is refused 403 and ``/v1/models`` lists none.
+    LiteLLM reads an empty list as every model; the docs say ours does not."""
+    url0, llama = await start_replica(aiohttp_server, ["llama"])
+    tenants = {"a": {"api_keys": [KEY_A]}, "b": {"api_keys": [KEY_B], "allowed_models": []}}
+    proxy = await start_proxy(pooled_config([url0], [["llama"]], tenants=tenants))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    resp = await proxy.client.post(COMPLETIONS, json={"model": "llama", "prompt": "x"},
+                                   headers=AUTH_B)  # fmt: skip
+    assert resp.status == 403
+    assert resp.headers["X-Admission-Reason"] == "model_not_allowed"
+    listed = await proxy.client.get("/v1/models", headers=AUTH_B)
+    assert listed.status == 200 and (await listed.json())["data"] == []
+    assert llama.bodies == []
+    proxy.assert_idle()
+
+
 async def test_a_body_without_model_is_told_where_to_find_one(
     aiohttp_server: ServerFactory, start_proxy: Start
 ) -> None:
