@@ -93,8 +93,8 @@ def _refusal(tenant: str, estimate: int, window: str, limits: QuotaLimits) -> st
     for name, limit in (("minute", limits.per_minute), ("day", limits.per_day)):
         if limit is not None and estimate > limit:
             return (
-                f"this request is estimated at {estimate} tokens, more than tenant "
-                f"{tenant!r}'s whole token quota per {name} ({limit}): it can never be "
+                f"this request is estimated at {estimate} tokens, more than the whole "
+                f"token quota per {name} of tenant {tenant!r} ({limit}): it can never be "
                 f"admitted; ask for fewer output tokens (max_tokens) or send a shorter prompt"
             )
     return (

@@ -526,7 +526,7 @@ async def test_a_request_larger_than_the_whole_quota_is_told_it_can_never_fit(
     status, headers, body = await chat(proxy, {"messages": [], "max_tokens": 500})
     assert status == 429 and headers["X-Admission-Reason"] == "token_quota_exceeded"
     message = json.loads(body)["error"]["message"]
-    assert "more than tenant 'a''s whole token quota per minute (100)" in message
+    assert "more than the whole token quota per minute of tenant 'a' (100)" in message
     assert "can never be admitted" in message and "max_tokens" in message
     assert (await chat(proxy, {"messages": [], "max_tokens": 80}))[0] == 200
     status, _, body = await chat(proxy, {"messages": [], "max_tokens": 80})
