@@ -43,6 +43,7 @@ from proxy.worker_state import (
 from tests.fleet import ProxyProcess, start_serve, write_config
 from tests.helpers import KEY_A, KEY_B
 from tests.redis_server import RedisServer
+from tests.upstreams import Upstream
 
 CHAT = "/v1/chat/completions"
 #: Bound on every wait below (two worker processes on a busy 2-core machine).
@@ -51,6 +52,9 @@ WAIT_S = 20.0
 MAX_SENT = 30
 #: Reads of /admin/state at most until both workers have answered one (2^-39).
 READS = 40
+#: The Redis call bound of the two-worker test: no call on a loaded machine counts as
+#: Redis down (which would admit a request on a worker's local share).
+STATE_TIMEOUT_MS = 5000
 
 
 def _runtime() -> Runtime:
@@ -262,19 +266,28 @@ async def _ask(proxy: ProxyProcess, hang_ms: int) -> None:
 
 @pytest.mark.redis
 async def test_requests_queued_on_two_workers_show_in_one_answer(
-    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+    tmp_path: Path, upstream_url: str, upstream_state: Upstream, redis_server: RedisServer
 ) -> None:
     """Two workers, one seat (in Redis): one request holds it, then requests on fresh
     connections until each worker queues some. Every /admin/state answer, whichever
-    worker gives it, counts all of them (queued or in flight), and says both answered."""
+    worker gives it, counts all of them (queued or in flight), and says both answered;
+    the upstream ran one of them only (the seat is the group's)."""
     config = {
         "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 1}],
         "tenants": {"a": {"api_keys": [KEY_A]}},
         "budgets": {"queue_ms": 50_000, "first_byte_ms": 55_000, "total_ms": 110_000},
         "server": {"shutdown_grace_ms": 1000},
         # Held off by a full seat in Redis, a queued request asks again when the
-        # holder's lease would expire unrenewed: not during this test.
-        "state": {"backend": "redis", "redis_url": redis_server.url, "lease_ms": 60_000},
+        # holder's lease would expire unrenewed: not during this test. A Redis call
+        # slower than ``timeout_ms`` (50 ms by default: a worker's first seat call on a
+        # loaded machine) counts as Redis down, and the worker admits on its local share
+        # (one seat each): a second request would run, in flight there for good.
+        "state": {
+            "backend": "redis",
+            "redis_url": redis_server.url,
+            "lease_ms": 60_000,
+            "timeout_ms": STATE_TIMEOUT_MS,
+        },
     }
     proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
     pids = {int(line["pid"]) for line in proxy.listening()}
@@ -307,6 +320,7 @@ async def test_requests_queued_on_two_workers_show_in_one_answer(
                 if served_by == pids:
                     break
         assert served_by == pids
+        assert upstream_state.active == 1
     finally:
         for request in requests:
             request.cancel()
