@@ -139,11 +139,11 @@ class RedisPlaces:
         *, headroom: bool = False, backlog_s: float = 0.0,
     ) -> Held | Blocked:  # fmt: skip
         if not tenant:
-            return await self._take(tenant, cap, replica, seats, weight, headroom)
+            return await self._take(tenant, cap, replica, seats, weight, headroom, backlog_s)
         asking = (tenant, replica)
         self._taking[asking] = self._taking.get(asking, 0) + 1
         try:
-            return await self._take(tenant, cap, replica, seats, weight, headroom)
+            return await self._take(tenant, cap, replica, seats, weight, headroom, backlog_s)
         finally:
             if self._taking[asking] == 1:
                 del self._taking[asking]
@@ -152,7 +152,7 @@ class RedisPlaces:
 
     async def _take(
         self, tenant: str, cap: int | None, replica: str, seats: int, weight: float,
-        headroom: bool,
+        headroom: bool, backlog_s: float,
     ) -> Held | Blocked:  # fmt: skip
         share = None
         if tenant:
