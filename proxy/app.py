@@ -269,6 +269,7 @@ def build_app(
         if state is None:
             yield
             return
+        await state.warm()
         loops = state.background() + ([group.listener.run] if group is not None else [])
         tasks = [asyncio.create_task(loop()) for loop in loops]
         yield

@@ -8,6 +8,7 @@ received (``requests_total``). Requests go round-robin across the processes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import os
 import signal
@@ -17,8 +18,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from redis.asyncio import Redis
 
 from proxy.sim import SimConfig, SimServer, start_sim
+from proxy.state import client as client_module
+from proxy.state.client import NOW_MS
 from tests.fleet import ProxyProcess, start_serve, write_config
 from tests.redis_server import RedisServer
 
@@ -464,3 +468,25 @@ async def test_a_burst_on_a_second_process_is_predicted_against_its_part_of_the_
     assert served + refused + timed_out == 30, answers
     assert refused >= 10 and served >= 4, answers
     assert timed_out <= max(3, served // 2), answers  # generous: a loaded machine
+
+
+async def test_a_process_starts_with_every_script_loaded(
+    tmp_path: Path, sim: SimServer, redis_server: RedisServer
+) -> None:
+    """A Redis with an empty script cache (just started, or flushed): by the time the
+    process answers ``/readyz`` every script it runs is loaded, so its first requests'
+    calls are one round trip each, not a cold connection and a NOSCRIPT reload within
+    ``timeout_ms`` (``StateClient.warm``)."""
+    redis = Redis.from_url(redis_server.url)
+    try:
+        await redis.script_flush()
+        shas = [hashlib.sha1((NOW_MS + s).encode()).hexdigest() for s in client_module._SOURCES]
+        proxies = await _start(tmp_path, _config(sim, redis_server), 1)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await _ready(session, proxies)
+            assert all(await redis.script_exists(*shas))
+        finally:
+            await _stop(proxies)
+    finally:
+        await redis.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator
 
@@ -10,11 +11,13 @@ import pytest
 import redis.exceptions
 
 from proxy.clock import FakeClock
+from proxy.places import Held
 from proxy.quotas import TokenBucket
 from proxy.retries import RetryBudget
 from proxy.settings import StateConfig
+from proxy.state import client as client_module
 from proxy.state.buckets import SharedBuckets
-from proxy.state.client import StateClient, StateDown
+from proxy.state.client import NOW_MS, StateClient, StateDown
 from proxy.state.instances import InstanceRegistry
 from proxy.state.keys import StateKeys
 from proxy.state.leases import Full, Lease, LeaseStore
@@ -167,6 +170,75 @@ async def test_scripts_load_again_after_the_cache_is_flushed(timed: StateClient)
     assert await buckets.try_take("acme", 1, 2) == 0
     assert await buckets.try_take("acme", 1, 2) == pytest.approx(1.0)
     assert timed.up and timed.errors == 0
+
+
+def _shas() -> list[str]:
+    """Every declared script as Redis names it (the ``now_ms`` prelude included)."""
+    return [
+        hashlib.sha1((NOW_MS + source).encode()).hexdigest() for source in client_module._SOURCES
+    ]
+
+
+async def _evalsha_failures(client: StateClient) -> int:
+    stats = await client.redis.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("failed_calls", 0))
+
+
+async def test_warm_loads_every_script_so_no_first_call_goes_cold(
+    redis_server: RedisServer,
+) -> None:
+    """After ``warm`` every declared script is in Redis's cache, and a process's first
+    calls of every kind (rate, seats with a fair turn, tenant places, quota, retry
+    budget, heartbeat, releases) run at once by EVALSHA: no NOSCRIPT, no second round
+    trip inside one ``timeout_ms``. A cold first call took four round trips and, on a
+    loaded host, a worker just started counted Redis as down."""
+    clock = FakeClock(start=2_000_000.0)
+    state = SharedState(_config(redis_server), clock)
+    client = state.client
+    try:
+        await client.redis.script_flush()
+        await client.redis.config_resetstat()
+        assert not any(await client.redis.script_exists(*_shas()))
+        assert await client.warm()
+        assert all(await client.redis.script_exists(*_shas()))
+        await state.take_rate("c", 2.0, 4.0)
+        held = await state.places.take("a", 2, "r0", 4, 1.0)  # a tenant place and a seat
+        assert isinstance(held, Held)
+        store, seats = state.places.store, KEYS.seats("r0")
+        lease = await store.acquire(seats, 4, "c")
+        assert isinstance(lease, Lease)
+        await store.renew(seats, [lease.id])
+        await store.restore(seats, [lease.id])
+        assert await store.held(seats) == 2
+        assert await store.release(lease)
+        await store.unwait(seats, KEYS.waiting("r0"), "a", 4, "c")
+        limits = QuotaLimits(per_minute=1000, per_day=None)
+        charge = await state.quotas.charge("a", 10, limits)
+        assert isinstance(charge, Charge)
+        await state.quotas.correct(charge, 12)
+        await state.quotas.remaining("a", limits)
+        state.record_request()
+        await state.spend_retry(RetryBudget(ratio=0.5, min_per_s=1.0, clock=clock))
+        await state.registry.heartbeat()
+        await state.registry.leave()
+        assert await _evalsha_failures(client) == 0
+        assert client.up and client.errors == 0
+    finally:
+        await client.aclose()
+
+
+async def test_warm_gives_up_in_time_and_counts_nothing(redis_server: RedisServer) -> None:
+    """Redis not there at start: ``warm`` says so within its bound, and leaves the up/down
+    state and the error count to the first real call."""
+    redis_server.stop()
+    client = StateClient(_config(redis_server, timeout_ms=50), probe_interval_s=0.05)
+    try:
+        started = time.monotonic()
+        assert not await client.warm(within_s=0.5)
+        assert time.monotonic() - started < 5  # generous bound around within_s=0.5
+        assert client.up and client.errors == 0
+    finally:
+        await client.aclose()
 
 
 async def test_day_counter_expires_an_hour_after_its_day(

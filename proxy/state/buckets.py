@@ -11,10 +11,11 @@ missing bucket reads as a full one.
 from __future__ import annotations
 
 from proxy.quotas import RateTake
-from proxy.state.client import StateClient
+from proxy.state.client import StateClient, lua
 from proxy.state.keys import StateKeys
 
-_TAKE = """
+_TAKE = lua(
+    """
 local now = now_ms()
 local rate, burst = tonumber(ARGV[2]), tonumber(ARGV[3])
 local b = redis.call('HMGET', KEYS[1], 'tokens', 'stamp')
@@ -26,6 +27,7 @@ redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'stamp', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 return {tostring(wait), tostring(tokens)}
 """
+)
 
 
 class SharedBuckets:

@@ -17,7 +17,13 @@ otherwise outlive its ``cancel()`` (``proxy.tasks.keep_cancellation``).
 
 Scripts are sent by EVALSHA and loaded again on NOSCRIPT (redis-py's
 ``register_script``), so a restarted Redis with an empty script cache costs
-one extra round trip, not an error.
+one extra round trip, not an error. Every script is declared with ``lua``, so
+that ``warm`` opens a connection and loads them all before the first request:
+a process's first call would otherwise open its connection and load its script
+(EVALSHA, NOSCRIPT, SCRIPT LOAD, EVALSHA) within one ``timeout_ms``, and on a
+loaded host a worker just started counted a Redis that was only cold as down,
+switched to its local share (admitting more than the shared limits) and logged
+"shared state down" at every deploy.
 
 A call that timed out or was cancelled may still have run on the server: a
 lease it took is never renewed and frees within ``lease_ms``; a token it took
@@ -42,6 +48,18 @@ from proxy.settings import StateConfig
 from proxy.tasks import keep_cancellation
 
 OnFailure = Literal["local_share", "reject"]
+#: How long ``warm`` keeps trying to reach Redis at start before serving anyway.
+WARM_S = 2.0
+#: Every script the state modules run (``lua``), for ``warm``.
+_SOURCES: list[str] = []
+
+
+def lua(source: str) -> str:
+    """Declare a script run through ``StateClient.run``: ``warm`` loads it at start."""
+    _SOURCES.append(source)
+    return source
+
+
 #: While down, how long calls fail without trying Redis after a failure.
 PROBE_INTERVAL_S = 0.2
 #: Lua prelude of every script: server time in ms, or the test clock's when ARGV[1] is set.
@@ -134,6 +152,27 @@ class StateClient:
         if script is None:
             script = self._scripts[source] = self._redis.register_script(NOW_MS + source)
         return script
+
+    async def warm(self, within_s: float = WARM_S) -> bool:
+        """Open a connection and load every declared script (one pipelined round trip),
+        trying again until ``within_s``: the first requests' calls then cost one round
+        trip each, as every later one does. Each try is bounded by ``within_s``, not by
+        ``timeout_ms`` (nothing waits on it but the start). False when Redis did not
+        answer in time: nothing is counted or switched here; the first call finds out.
+        """
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        for source in _SOURCES:
+                            pipe.script_load(NOW_MS + source)
+                        await pipe.execute()
+                return True
+            except (RedisError, OSError, TimeoutError):
+                if time.monotonic() + self._probe_interval_s >= deadline:
+                    return False
+                await asyncio.sleep(self._probe_interval_s)
 
     def now_arg(self) -> str:
         """ARGV[1] of every script: empty (server time) unless a test clock is set."""

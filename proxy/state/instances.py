@@ -17,10 +17,11 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from proxy.state.client import StateClient, StateDown
+from proxy.state.client import StateClient, StateDown, lua
 from proxy.state.keys import StateKeys
 
-_BEAT = """
+_BEAT = lua(
+    """
 local now = now_ms()
 local known = redis.call('ZSCORE', KEYS[1], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -32,6 +33,7 @@ end
 redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[4]))
 return {redis.call('ZCARD', KEYS[1]), known and 1 or 0}
 """
+)
 
 
 class InstanceRegistry:

@@ -27,9 +27,10 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from proxy.state.client import StateClient, StateDown
+from proxy.state.client import StateClient, StateDown, lua
 
-_ACQUIRE = """
+_ACQUIRE = lua(
+    """
 local now = now_ms()
 local key, id, limit, lease_ms = KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -44,6 +45,7 @@ redis.call('ZADD', key, now + lease_ms, id)
 redis.call('PEXPIRE', key, 2 * lease_ms)
 return {1, held + 1, '0'}
 """
+)
 
 #: Acquire of a replica seat with fair sharing across processes: members are
 #: ``<tenant>|<lease id>``; KEYS[2] is the ZSET of tenants refused a seat there
@@ -70,7 +72,8 @@ return {1, held + 1, '0'}
 #: processes backlogged there (they keep taking their part of every seat that
 #: frees), and how many there are. Counted only while there is one: a lone process
 #: pays nothing.
-_ACQUIRE_FAIR = """
+_ACQUIRE_FAIR = lua(
+    """
 local now = now_ms()
 local key, waiting, weights, instances = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, limit, lease_ms = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -145,6 +148,7 @@ end
 local backlogged, others = elsewhere()
 return {1, held + 1, '0', backlogged, others}
 """
+)
 
 #: A tenant no longer waits for a seat here (this process's queue for it emptied):
 #: its waiting entry (ARGV[2], ``<tenant>|<owner>``) goes now rather than at its
@@ -152,7 +156,8 @@ return {1, held + 1, '0', backlogged, others}
 #: wait and a seat is free (below ARGV[3]), the replica's channel (ARGV[4]) is told,
 #: as for a release: a tenant refused its turn for that entry asks again at once.
 #: Returns 0 (no entry), 1 (removed) or 2 (removed and told).
-_UNWAIT = """
+_UNWAIT = lua(
+    """
 local now = now_ms()
 local waiting, seats = KEYS[1], KEYS[2]
 if redis.call('ZREM', waiting, ARGV[2]) == 0 then return 0 end
@@ -162,14 +167,18 @@ if redis.call('ZCOUNT', seats, '(' .. now, '+inf') >= tonumber(ARGV[3]) then ret
 redis.call('PUBLISH', ARGV[4], seats)
 return 2
 """
+)
 
-_RELEASE = """
+_RELEASE = lua(
+    """
 local removed = redis.call('ZREM', KEYS[1], ARGV[2])
 if removed == 1 then redis.call('PUBLISH', ARGV[3], KEYS[1]) end
 return removed
 """
+)
 
-_RENEW = """
+_RENEW = lua(
+    """
 local now = now_ms()
 local key, lease_ms = KEYS[1], tonumber(ARGV[2])
 local lost = {}
@@ -185,10 +194,12 @@ end
 if redis.call('EXISTS', key) == 1 then redis.call('PEXPIRE', key, 2 * lease_ms) end
 return lost
 """
+)
 
 #: Renewal that puts back a lease Redis lost (a restart, an expiry while it was
 #: unreachable): the request behind it still runs, so the count must say so.
-_RESTORE = """
+_RESTORE = lua(
+    """
 local now = now_ms()
 local key, lease_ms = KEYS[1], tonumber(ARGV[2])
 local restored = {}
@@ -199,10 +210,13 @@ end
 redis.call('PEXPIRE', key, 2 * lease_ms)
 return restored
 """
+)
 
-_HELD = """
+_HELD = lua(
+    """
 return redis.call('ZCOUNT', KEYS[1], '(' .. now_ms(), '+inf')
 """
+)
 
 
 def waiting_instances(waiting: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from proxy.state.client import StateClient
+from proxy.state.client import StateClient, lua
 from proxy.state.keys import StateKeys
 from proxy.state.quota import Charge, QuotaLimits, QuotaRefused, QuotaRemaining
 
@@ -38,7 +38,7 @@ local function save(new_tokens, new_used)
 end
 """
 
-_CHARGE = (
+_CHARGE = lua(
     _READ
     + """
 local est = tonumber(ARGV[2])
@@ -58,7 +58,7 @@ return {1, '0', '', day, tostring(tokens and tokens - est or ''), used + est, le
 """
 )
 
-_CORRECT = (
+_CORRECT = lua(
     _READ
     + """
 local diff, charged_day = tonumber(ARGV[2]), tonumber(ARGV[5])
@@ -69,7 +69,7 @@ return {tostring(tokens or ''), used, tostring(((day + 1) * 86400000 - now) / 10
 """
 )
 
-_REMAINING = (
+_REMAINING = lua(
     _READ
     + """
 return {tostring(tokens or ''), used, tostring(((day + 1) * 86400000 - now) / 1000)}

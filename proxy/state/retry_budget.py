@@ -9,7 +9,7 @@ older than the window are dropped by the scripts themselves.
 from __future__ import annotations
 
 from proxy.retries import BUDGET_WINDOW_S
-from proxy.state.client import StateClient
+from proxy.state.client import StateClient, lua
 from proxy.state.keys import StateKeys
 
 _PRELUDE = """
@@ -32,7 +32,7 @@ end
 redis.call('PEXPIRE', KEYS[1], (window + 2) * 1000)
 """
 
-_RECORD = (
+_RECORD = lua(
     _PRELUDE
     + """
 redis.call('HINCRBY', KEYS[1], 'q' .. second, tonumber(ARGV[3]))
@@ -40,7 +40,7 @@ return 1
 """
 )
 
-_SPEND = (
+_SPEND = lua(
     _PRELUDE
     + """
 local ratio, floor_per_s = tonumber(ARGV[3]), tonumber(ARGV[4])

@@ -32,7 +32,7 @@ from proxy.quotas import RateTake, TokenBucket
 from proxy.retries import RetryBudget
 from proxy.settings import StateConfig
 from proxy.state.buckets import SharedBuckets
-from proxy.state.client import StateClient, StateDown
+from proxy.state.client import WARM_S, StateClient, StateDown
 from proxy.state.instances import InstanceRegistry
 from proxy.state.keys import StateKeys
 from proxy.state.leases import LeaseKeeper, LeaseStore
@@ -184,6 +184,13 @@ class SharedState:
                 await self._flush_requests()
 
     # -- lifecycle ---------------------------------------------------------------------
+
+    async def warm(self) -> None:
+        """Before serving: a connection open and every script loaded (``StateClient.warm``),
+        so that a cold Redis is not taken for a down one by the first requests."""
+        if not await self.client.warm():
+            # The URL is not logged: it may carry a password.
+            log.warning("shared state not reached at start", within_s=WARM_S)
 
     def background(self) -> list[Callable[[], Coroutine[Any, Any, None]]]:
         """The loops ``run`` starts (one task each)."""
