@@ -88,8 +88,15 @@ async def test_drain_undrain_and_rollback_reach_every_worker(
         await every_worker_shows(proxy, "/admin/state", draining)
         # A worker started after the drain (one that died, started again) drains too:
         # the group's drains are state it reads when it subscribes, not a message it missed.
+        # (Its log says so: the group's /admin/state shows draining while any worker does.)
+        applied = "admin change from the worker group"
+        before = len(proxy.named(applied))
         os.kill(proxy.listening()[0]["pid"], signal.SIGKILL)
         await proxy.wait_listening(3)
+        async with asyncio.timeout(WAIT_S):
+            while len(proxy.named(applied)) == before:
+                await asyncio.sleep(0.05)
+        assert proxy.named(applied)[-1]["op"] == "drain"
         await every_worker_shows(proxy, "/admin/state", draining)
         await post(proxy, "/admin/replicas/r0/undrain")
         await every_worker_shows(proxy, "/admin/state", lambda text: not draining(text))
