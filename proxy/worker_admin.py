@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import Container, Coroutine
 from typing import Any
 
@@ -52,6 +53,7 @@ from proxy.runtime import Runtime
 from proxy.settings import ConfigError
 from proxy.state.notify import FreedListener
 from proxy.state.shared import SharedState
+from proxy.workers import WORKER_COUNT_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -107,6 +109,12 @@ class WorkerAdmin:
             state.config.redis_url, [self._channel], lambda channel: self._spawn(self._sync()),
             connect_timeout_s=ADMIN_TIMEOUT_S, on_message=self._heard,
         )  # fmt: skip
+        # Until Redis is seen, the group's own workers are the live instances it knows:
+        # with Redis down from the start, local_share divides by them, not by 1 (each
+        # worker would admit every limit whole, N times over).
+        with contextlib.suppress(ValueError):
+            count = int(os.environ.get(WORKER_COUNT_ENV, "1"))
+            state.client.instances = max(state.client.instances, count)
         # Redis forgot this instance (a restart): it forgot the drains too.
         lost = state.registry.on_lost
 

@@ -41,6 +41,9 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 #: Set for the workers: their group's name (``worker_admin.py``).
 WORKER_GROUP_ENV = "ADMISSION_PROXY_WORKER_GROUP"
+#: Set for the workers: how many the group has, the fewest instances there are
+#: (``worker_admin.py``: the divisor of ``local_share`` before Redis was ever seen).
+WORKER_COUNT_ENV = "ADMISSION_PROXY_WORKERS"
 #: The signals the parent passes on to every worker.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -79,7 +82,11 @@ class Supervisor:
         self._argv = list(argv)
         # One group per parent: the workers pass admin changes on to each other
         # (``worker_admin.py``), and to no other gateway on the same Redis.
-        self._env = {**os.environ, WORKER_GROUP_ENV: f"{os.getpid()}-{secrets.token_hex(4)}"}
+        self._env = {
+            **os.environ,
+            WORKER_GROUP_ENV: f"{os.getpid()}-{secrets.token_hex(4)}",
+            WORKER_COUNT_ENV: str(count),
+        }
         self._workers: list[subprocess.Popen[bytes] | None] = [None] * count
         self._restarts: list[float] = []
         self.stopping = False
