@@ -156,3 +156,35 @@ async def test_workers_started_with_redis_down_share_the_seats(
         assert 1 <= peak <= 2
     finally:
         assert await proxy.stop() == 0
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie not reaped yet counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_workers_end_when_the_parent_is_killed(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """SIGKILL of the parent: its workers get SIGTERM from the kernel and exit (before:
+    they kept serving on the port, unsupervised, next to a parent started again)."""
+    config = _config(upstream_url, state={"backend": "redis", "redis_url": redis_server.url})
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    workers = [int(line["pid"]) for line in proxy.listening()]
+    try:
+        proxy.proc.kill()
+        async with asyncio.timeout(30):
+            while not all(_gone(pid) for pid in workers):
+                await asyncio.sleep(0.05)
+        assert len(proxy.named("shutdown requested")) == 2
+    finally:
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        await proxy.stop()
