@@ -109,11 +109,13 @@ class WorkerAdmin:
             state.config.redis_url, [self._channel], lambda channel: self._spawn(self._sync()),
             connect_timeout_s=ADMIN_TIMEOUT_S, on_message=self._heard,
         )  # fmt: skip
-        # Until Redis is seen, the group's own workers are the live instances it knows:
-        # with Redis down from the start, local_share divides by them, not by 1 (each
-        # worker would admit every limit whole, N times over).
+        # The group's own workers are live instances, whether or not Redis shows them
+        # yet: with Redis down from the start (or right after a first heartbeat that saw
+        # only this worker), local_share divides by them, not by 1 (each worker would
+        # admit every limit whole, N times over).
         with contextlib.suppress(ValueError):
             count = int(os.environ.get(WORKER_COUNT_ENV, "1"))
+            state.registry.floor = max(1, count)
             state.client.instances = max(state.client.instances, count)
         # Redis forgot this instance (a restart): it forgot the drains too.
         lost = state.registry.on_lost

@@ -275,3 +275,12 @@ async def test_connections_pooled_before_a_restart_do_not_fail_calls_after_it(
         assert client.up and client.errors == 0 and changes == []
     finally:
         await client.aclose()
+
+
+async def test_the_count_never_falls_below_the_floor(timed: StateClient) -> None:
+    """A worker of serve --workers 2 beats before its sibling registered: the live count
+    it keeps (local_share's divisor) is the group's 2, not the 1 Redis shows yet."""
+    registry = InstanceRegistry(timed, KEYS, "pod-a", 3000)
+    registry.floor = 2
+    assert await registry.heartbeat() == 1
+    assert timed.instances == 2
