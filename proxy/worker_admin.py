@@ -17,6 +17,14 @@ Redis are separate gateways, each drained through its own admin port.
   drops what is sent while a worker is not subscribed (one starting, one
   restarted after a crash, one reconnecting); read from the hash, a drain
   reaches it all the same.
+- **A Redis restart loses the hash** (Redis runs without persistence): the
+  hash always holds a marker field (``HELD``) once the group drained or
+  undrained anything, so a hash found without it was lost, not emptied by
+  undrains. A worker that finds it lost (when it resubscribes, or when its
+  instance heartbeat finds Redis forgot it) keeps its own drains and writes
+  them back, then announces it so the others read them (one started since the
+  loss drains too); before, a worker started after the restart served a
+  drained replica while the group's ``/admin/state`` still said draining.
 - **Reload and rollback are messages**: each worker reads its own file, and
   a rollback names the config it makes current (its SHA-256), so a worker
   whose previous config is another one (it missed a reload) does not roll
@@ -29,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import Container, Coroutine
 from typing import Any
 
@@ -36,6 +45,7 @@ import structlog
 from aiohttp import web
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from redis.typing import EncodableT
 
 from proxy.errors import NoPreviousConfig
 from proxy.reload import Reloader
@@ -43,6 +53,7 @@ from proxy.runtime import Runtime
 from proxy.settings import ConfigError
 from proxy.state.notify import FreedListener
 from proxy.state.shared import SharedState
+from proxy.workers import WORKER_COUNT_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +61,8 @@ log = structlog.get_logger(__name__)
 DRAINED_TTL_MS = 7 * 24 * 3600 * 1000
 #: Bound on an admin change's Redis calls: rare, and not on any request's path.
 ADMIN_TIMEOUT_S = 2.0
+#: The drained hash's marker field (never a replica name: those are never empty).
+HELD = ""
 
 
 def set_draining(runtime: Runtime, name: str, draining: bool) -> bool:
@@ -96,6 +109,23 @@ class WorkerAdmin:
             state.config.redis_url, [self._channel], lambda channel: self._spawn(self._sync()),
             connect_timeout_s=ADMIN_TIMEOUT_S, on_message=self._heard,
         )  # fmt: skip
+        # The group's own workers are live instances, whether or not Redis shows them
+        # yet: with Redis down from the start (or right after a first heartbeat that saw
+        # only this worker), local_share divides by them, not by 1 (each worker would
+        # admit every limit whole, N times over).
+        with contextlib.suppress(ValueError):
+            count = int(os.environ.get(WORKER_COUNT_ENV, "1"))
+            state.registry.floor = max(1, count)
+            state.client.instances = max(state.client.instances, count)
+        # Redis forgot this instance (a restart): it forgot the drains too.
+        lost = state.registry.on_lost
+
+        def on_lost() -> None:
+            if lost is not None:
+                lost()
+            self._spawn(self._sync())
+
+        state.registry.on_lost = on_lost
 
     def __repr__(self) -> str:
         return f"<WorkerAdmin {self._channel}, {self.listener!r}>"
@@ -110,10 +140,12 @@ class WorkerAdmin:
                 self._redis.pipeline(transaction=True) as pipe,
             ):
                 if op == "drain" and replica is not None:
-                    pipe.hset(self._drained, replica, "1")
+                    pipe.hset(self._drained, mapping={replica: "1", HELD: "1"})
                     pipe.pexpire(self._drained, DRAINED_TTL_MS)
                 elif op == "undrain" and replica is not None:
                     pipe.hdel(self._drained, replica)
+                    pipe.hset(self._drained, HELD, "1")
+                    pipe.pexpire(self._drained, DRAINED_TTL_MS)
                 pipe.publish(self._channel, message)
                 await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
@@ -136,9 +168,29 @@ class WorkerAdmin:
             try:
                 async with asyncio.timeout(ADMIN_TIMEOUT_S):
                     drained = await self._redis.hgetall(self._drained)
+                    if not drained:
+                        await self._write_back()
+                        return
             except (RedisError, OSError, TimeoutError):
                 return  # read again at the next announcement or resubscription
             self._apply_drains(drained)
+
+    async def _write_back(self) -> None:
+        """The hash is gone (a Redis restart, or never written): put back this worker's
+        drains, never taking one away, and tell the others when there were any."""
+        mine: dict[EncodableT, EncodableT] = {
+            str(r.name): "1" for r in self._runtime.pool.replicas if r.draining and not r.retired
+        }
+        if not mine:
+            return
+        replicas = sorted(str(name) for name in mine)
+        mine[HELD] = "1"
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._drained, mapping=mine)
+            pipe.pexpire(self._drained, DRAINED_TTL_MS)
+            pipe.publish(self._channel, json.dumps({"op": "sync", "from": self._state.instance_id}))
+            await pipe.execute()
+        log.info("group drains written back to redis", replicas=replicas)
 
     def _apply_drains(self, drained: Container[bytes | str]) -> None:
         for replica in self._runtime.pool.replicas:

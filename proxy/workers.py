@@ -14,10 +14,13 @@ signal, with the worst exit code of that shutdown. A worker that dies on its own
 again after ``RESTART_DELAY_S``, at most ``MAX_RESTARTS`` times in
 ``RESTART_WINDOW_S`` (then the parent stops the others and exits 1, for the
 orchestrator to see); its seats free within ``state.lease_ms`` meanwhile.
+A parent that dies (even by SIGKILL) takes its workers along: the kernel
+sends each SIGTERM (``_end_with_parent``), and they drain as for a stop.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import signal
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from types import FrameType
 
 import structlog
@@ -41,6 +45,11 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 #: Set for the workers: their group's name (``worker_admin.py``).
 WORKER_GROUP_ENV = "ADMISSION_PROXY_WORKER_GROUP"
+#: Set for the workers: how many the group has, the fewest instances there are
+#: (``worker_admin.py``: the divisor of ``local_share`` before Redis was ever seen).
+WORKER_COUNT_ENV = "ADMISSION_PROXY_WORKERS"
+#: prctl(2) option: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 #: The signals the parent passes on to every worker.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -79,7 +88,11 @@ class Supervisor:
         self._argv = list(argv)
         # One group per parent: the workers pass admin changes on to each other
         # (``worker_admin.py``), and to no other gateway on the same Redis.
-        self._env = {**os.environ, WORKER_GROUP_ENV: f"{os.getpid()}-{secrets.token_hex(4)}"}
+        self._env = {
+            **os.environ,
+            WORKER_GROUP_ENV: f"{os.getpid()}-{secrets.token_hex(4)}",
+            WORKER_COUNT_ENV: str(count),
+        }
         self._workers: list[subprocess.Popen[bytes] | None] = [None] * count
         self._restarts: list[float] = []
         self.stopping = False
@@ -89,7 +102,8 @@ class Supervisor:
         return f"<Supervisor {alive}/{len(self._workers)} workers alive>"
 
     def _spawn(self, index: int) -> None:
-        process = subprocess.Popen(self._argv, env=self._env)
+        end_with_me = partial(_end_with_parent, os.getpid())
+        process = subprocess.Popen(self._argv, env=self._env, preexec_fn=end_with_me)
         self._workers[index] = process
         log.info("worker started", worker=index, pid=process.pid)
 
@@ -142,6 +156,20 @@ class Supervisor:
             if not self.stopping:
                 self._spawn(index)
         return worst
+
+
+def _end_with_parent(parent: int) -> None:
+    """In the worker, before it runs: SIGTERM when the parent dies (Linux
+    ``PR_SET_PDEATHSIG``), even by SIGKILL. Left running, orphaned workers kept
+    serving on the port, unsupervised, next to the workers of a parent started
+    again (two groups, drains applying to one of them). SIGTERM drains them as
+    for a stop. Elsewhere nothing: a worker outlives a killed parent."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def worker_argv(config_path: str, host: str, port: int) -> list[str]:

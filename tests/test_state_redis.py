@@ -321,3 +321,38 @@ async def test_retries_while_redis_is_down_share_the_floor(redis_server: RedisSe
         await state.close()
     assert spent[:5] == [0.0] * 5
     assert all(wait > 0 for wait in spent[5:])
+
+
+async def test_connections_pooled_before_a_restart_do_not_fail_calls_after_it(
+    redis_server: RedisServer,
+) -> None:
+    """Concurrent calls leave several connections in the pool; Redis restarts while they sit
+    idle. Once it answers again, calls on those stale connections reconnect and succeed: no
+    StateDown (503 state_unavailable under reject) while Redis is up, no error counted."""
+    changes: list[bool] = []
+    config = StateConfig(
+        backend="redis", redis_url=redis_server.url, timeout_ms=2000, on_failure="reject"
+    )
+    client = StateClient(config, on_change=lambda up, _exc: changes.append(up))
+    calls = 5
+    try:
+        await asyncio.gather(*(client.run("return 1", ["k{x}"], []) for _ in range(calls)))
+        assert len(client.redis.connection_pool._available_connections) == calls
+        redis_server.stop()
+        redis_server.start()
+        results = await asyncio.gather(
+            *(client.run("return 1", ["k{x}"], []) for _ in range(calls)), return_exceptions=True
+        )
+        assert results == [1] * calls
+        assert client.up and client.errors == 0 and changes == []
+    finally:
+        await client.aclose()
+
+
+async def test_the_count_never_falls_below_the_floor(timed: StateClient) -> None:
+    """A worker of serve --workers 2 beats before its sibling registered: the live count
+    it keeps (local_share's divisor) is the group's 2, not the 1 Redis shows yet."""
+    registry = InstanceRegistry(timed, KEYS, "pod-a", 3000)
+    registry.floor = 2
+    assert await registry.heartbeat() == 1
+    assert timed.instances == 2

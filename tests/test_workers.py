@@ -14,6 +14,7 @@ import pytest
 from tests.fleet import CLI, start_serve, write_config
 from tests.helpers import KEY_A
 from tests.redis_server import RedisServer
+from tests.upstreams import Upstream
 
 CHAT = "/v1/chat/completions"
 AUTH = {"Authorization": f"Bearer {KEY_A}"}
@@ -117,3 +118,73 @@ async def test_a_reload_leaves_the_state_section_for_a_restart(
     restart = {e["key"]: (e["running"], e["configured"]) for e in logs if "key" in e}
     assert restart == {"state.lease_ms": (10_000, 3000)}
     assert proxy.runtime.rules.config.state.lease_ms == 10_000
+
+
+@pytest.mark.redis
+async def test_workers_started_with_redis_down_share_the_seats(
+    tmp_path: Path, upstream_url: str, upstream_state: Upstream, redis_server: RedisServer
+) -> None:
+    """Redis down from the start (local_share): each of 2 workers takes half of r0's 2
+    seats, not all of them (before: each divided by the 1 instance it had seen, and the
+    engine got up to 4 requests at once). Sampled at the upstream while 8 requests,
+    spread over the workers by fresh connections, hold their seats."""
+    redis_server.stop()
+    config = _config(upstream_url, state={"backend": "redis", "redis_url": redis_server.url})
+    config["replicas"][0]["max_concurrency"] = 2
+    config["budgets"] = {"queue_ms": 30_000, "first_byte_ms": 30_000, "total_ms": 60_000}
+    config["tenants"]["a"]["queue_capacity"] = 16
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    body = {**BODY, "hang_ms": 300}
+    peak = 0
+
+    async def one() -> int:
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with (
+            aiohttp.ClientSession(connector=connector) as session,
+            session.post(proxy.url + CHAT, json=body, headers=AUTH) as resp,
+        ):
+            await resp.read()
+            return resp.status
+
+    try:
+        calls = [asyncio.create_task(one()) for _ in range(8)]
+        async with asyncio.timeout(60):
+            while not all(call.done() for call in calls):
+                peak = max(peak, upstream_state.active)
+                await asyncio.sleep(0.005)
+        assert [call.result() for call in calls] == [200] * 8
+        assert 1 <= peak <= 2
+    finally:
+        assert await proxy.stop() == 0
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie not reaped yet counts as exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+async def test_workers_end_when_the_parent_is_killed(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """SIGKILL of the parent: its workers get SIGTERM from the kernel and exit (before:
+    they kept serving on the port, unsupervised, next to a parent started again)."""
+    config = _config(upstream_url, state={"backend": "redis", "redis_url": redis_server.url})
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    workers = [int(line["pid"]) for line in proxy.listening()]
+    try:
+        proxy.proc.kill()
+        async with asyncio.timeout(30):
+            while not all(_gone(pid) for pid in workers):
+                await asyncio.sleep(0.05)
+        assert len(proxy.named("shutdown requested")) == 2
+    finally:
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        await proxy.stop()

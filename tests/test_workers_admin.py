@@ -11,6 +11,7 @@ the change by chance about once in 10^11.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -87,8 +88,15 @@ async def test_drain_undrain_and_rollback_reach_every_worker(
         await every_worker_shows(proxy, "/admin/state", draining)
         # A worker started after the drain (one that died, started again) drains too:
         # the group's drains are state it reads when it subscribes, not a message it missed.
+        # (Its log says so: the group's /admin/state shows draining while any worker does.)
+        applied = "admin change from the worker group"
+        before = len(proxy.named(applied))
         os.kill(proxy.listening()[0]["pid"], signal.SIGKILL)
         await proxy.wait_listening(3)
+        async with asyncio.timeout(WAIT_S):
+            while len(proxy.named(applied)) == before:
+                await asyncio.sleep(0.05)
+        assert proxy.named(applied)[-1]["op"] == "drain"
         await every_worker_shows(proxy, "/admin/state", draining)
         await post(proxy, "/admin/replicas/r0/undrain")
         await every_worker_shows(proxy, "/admin/state", lambda text: not draining(text))
@@ -99,5 +107,36 @@ async def test_drain_undrain_and_rollback_reach_every_worker(
         await every_worker_shows(proxy, "/admin/config", lambda text: tenants(text) == {"a", "b"})
         assert (await post(proxy, "/admin/rollback"))["result"] == "ok"
         await every_worker_shows(proxy, "/admin/config", lambda text: tenants(text) == {"a"})
+    finally:
+        assert await proxy.stop() == 0
+
+
+async def test_drains_survive_a_redis_restart(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """Redis restarts without persistence and forgets the group's drained hash: the
+    workers write their drains back, so a worker started after the restart (one that
+    died) drains the replica too. Before, it served it, while the group's merged
+    /admin/state still said draining (any worker draining shows)."""
+    config: dict[str, Any] = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 4}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+        "server": {"shutdown_grace_ms": 2000},
+        "state": {"backend": "redis", "redis_url": redis_server.url, "lease_ms": 1500},
+    }
+    proxy = await start_serve(write_config(tmp_path / "c.yaml", config), workers=2)
+    applied = "admin change from the worker group"
+    try:
+        assert await post(proxy, "/admin/replicas/r0/drain") == {"replica": "r0", "draining": True}
+        await every_worker_shows(proxy, "/admin/state", draining)
+        redis_server.stop()
+        redis_server.start()
+        before = len(proxy.named(applied))
+        os.kill(proxy.listening()[0]["pid"], signal.SIGKILL)
+        await proxy.wait_listening(3)
+        async with asyncio.timeout(WAIT_S):  # the new worker drains r0 as it starts
+            while len(proxy.named(applied)) == before:
+                await asyncio.sleep(0.05)
+        assert proxy.named(applied)[-1]["op"] == "drain"
     finally:
         assert await proxy.stop() == 0

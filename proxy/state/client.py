@@ -1,8 +1,12 @@
 """The one door to Redis: a time limit on every call, error counting, up/down.
 
 Every call is bounded by ``state.timeout_ms`` (the socket timeouts and an
-``asyncio.timeout`` around the whole call, with redis-py's own retries off),
-so a Redis that is down or slow costs a request at most that long. Any
+``asyncio.timeout`` around the whole call), so a Redis that is down or slow
+costs a request at most that long. redis-py retries a call once, on a fresh
+connection, only when its connection was closed (``ConnectionError``, never a
+timeout): after a Redis restart every connection pooled before it is dead, and
+without that retry each would fail one call (503 ``state_unavailable`` under
+``reject``) while Redis already answers. Any
 failure is counted, flips the state to down (the callback fires once per
 transition, for ``admission_state_up``, ``admission_state_errors_total`` and a
 log line) and is raised as ``StateDown``, which carries what the caller needs
@@ -41,6 +45,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from proxy.clock import Clock
@@ -130,7 +135,7 @@ class StateClient:
             config.redis_url,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             decode_responses=True,
         )
         #: Tests only: a fake clock replaces server TIME, so scripts run on the test's time.

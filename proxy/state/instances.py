@@ -39,7 +39,9 @@ return {redis.call('ZCARD', KEYS[1]), known and 1 or 0}
 class InstanceRegistry:
     """This process's heartbeat, and the fleet's live count."""
 
-    __slots__ = ("_beat_at", "_client", "_high_at", "_key", "instance_id", "on_lost", "ttl_ms")
+    __slots__ = (
+        "_beat_at", "_client", "_high_at", "_key", "floor", "instance_id", "on_lost", "ttl_ms",
+    )  # fmt: skip
 
     def __init__(self, client: StateClient, keys: StateKeys, instance_id: str, ttl_ms: int):
         self._client = client
@@ -51,6 +53,10 @@ class InstanceRegistry:
         self._high_at = 0.0
         #: Told when Redis no longer knew this instance within its ttl (a restart).
         self.on_lost: Callable[[], None] | None = None
+        #: The fewest live instances there can be: a ``serve --workers N`` worker's N
+        #: (its siblings register a moment after it; a count of 1 then would make
+        #: ``local_share`` admit every limit whole if Redis went down right after).
+        self.floor = 1
 
     async def heartbeat(self) -> int:
         """Say this instance is alive for ``ttl_ms`` more; returns the live count."""
@@ -71,7 +77,7 @@ class InstanceRegistry:
             self.on_lost()
         self._beat_at = now if alive else None
         if count >= self._client.instances or now - self._high_at > ttl_s or not alive:
-            self._client.instances = max(1, count)
+            self._client.instances = max(self.floor, count)
             self._high_at = now
         return count
 
