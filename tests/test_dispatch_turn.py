@@ -19,22 +19,19 @@ import pytest
 
 from proxy.admitted import Deadline
 from proxy.clock import FakeClock
-from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.dispatch import Dispatcher
 from proxy.models import ModelTable
-from proxy.replicas import Replica, ReplicaPool, Seat
-from proxy.scheduler import FairScheduler, Ticket
-from proxy.settings import BudgetsConfig, ReplicaConfig, StateConfig
+from proxy.replicas import Seat
+from proxy.scheduler import Ticket
+from proxy.settings import BudgetsConfig
 from proxy.state import places as places_module
-from proxy.state.client import StateClient
-from proxy.state.keys import StateKeys
-from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
-from proxy.state.places import RedisPlaces
+from proxy.state.leases import Full, Lease, LeaseStore, Share
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
+from tests.two_instances import KEYS, two_instances
 
 pytestmark = pytest.mark.redis
 
-KEYS = StateKeys("admission:")
 BUDGETS = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
 #: Long enough that no retry timer fires within a test (the refusal asks back in half).
 WAITING_MS = 60_000
@@ -82,25 +79,10 @@ async def setup(
     replicas: dict[str, int] = request.param
     waiting_ms = replicas.pop("waiting_ms", WAITING_MS)
     monkeypatch.setattr(places_module, "WAITING_MS", waiting_ms)
-    config = StateConfig.model_validate(
-        {"backend": "redis", "redis_url": redis_server.url, "timeout_ms": 2000}
-    )
-    clock = FakeClock(start=7_000_000.0)
-    clients = [StateClient(config, clock=clock) for _ in range(2)]
-    here = LeaseStore(clients[0], "p1", LEASE_MS)
-    other = LeaseStore(clients[1], "p2", LEASE_MS)
-    pool = ReplicaPool(
-        Replica(ReplicaConfig(name=name, url="http://127.0.0.1:1", max_concurrency=seats))
-        for name, seats in replicas.items()
-    )
-    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
-    d = Dispatcher(pool, FairScheduler({"standard": 1.0}), clock, limits)
-    d.shared = RedisPlaces(clients[0], KEYS, here, LeaseKeeper(here, restore=True))
-    try:
-        yield Setup(d, clock, here, other, waiting_ms)
-    finally:
-        for client in clients:
-            await client.aclose()
+    async with two_instances(
+        redis_server.url, replicas, start=7_000_000.0, lease_ms=LEASE_MS
+    ) as two:
+        yield Setup(two.d, two.clock, two.here, two.other, waiting_ms)
 
 
 async def _leave(ticket: Ticket, waiter: asyncio.Task[Seat]) -> None:

@@ -19,23 +19,21 @@ from redis.asyncio import Redis
 
 from proxy.admitted import Deadline
 from proxy.clock import FakeClock
-from proxy.dispatch import Dispatcher, TenantLimits
+from proxy.dispatch import Dispatcher
 from proxy.errors import ModelNotFound, QueueTimeout
 from proxy.models import ModelTable
-from proxy.replicas import Replica, ReplicaPool
-from proxy.scheduler import FairScheduler, Ticket
-from proxy.settings import BudgetsConfig, ReplicaConfig, StateConfig
+from proxy.replicas import Replica
+from proxy.scheduler import Ticket
+from proxy.settings import BudgetsConfig
 from proxy.state import places as places_module
-from proxy.state.client import StateClient
-from proxy.state.keys import StateKeys
-from proxy.state.leases import Full, Lease, LeaseKeeper, LeaseStore, Share
+from proxy.state.leases import Full, Lease, LeaseStore, Share
 from proxy.state.places import RedisPlaces
 from tests.helpers import wait_for
 from tests.redis_server import RedisServer
+from tests.two_instances import KEYS, two_instances
 
 pytestmark = pytest.mark.redis
 
-KEYS = StateKeys("admission:")
 BUDGETS = BudgetsConfig(queue_ms=60_000, first_byte_ms=1000, total_ms=120_000)
 #: Nothing expires within a test: entries and leases go only when the test says so.
 WAITING_MS = 60_000
@@ -89,32 +87,18 @@ async def setup(
 ) -> AsyncIterator[Setup]:
     replicas: dict[str, int] = request.param
     monkeypatch.setattr(places_module, "WAITING_MS", WAITING_MS)
-    config = StateConfig.model_validate(
-        {"backend": "redis", "redis_url": redis_server.url, "timeout_ms": 2000}
-    )
-    clock = FakeClock(start=9_000_000.0)
-    clients = [StateClient(config, clock=clock) for _ in range(2)]
-    here = LeaseStore(clients[0], "p1", LEASE_MS)
-    other = LeaseStore(clients[1], "p2", LEASE_MS)
-    pool = ReplicaPool(
-        Replica(ReplicaConfig(name=name, url="http://127.0.0.1:1", max_concurrency=seats))
-        for name, seats in replicas.items()
-    )
-    limits = {t: TenantLimits(max_concurrency=None, queue_capacity=8) for t in ("a", "b")}
-    d = Dispatcher(pool, FairScheduler({"standard": 1.0}), clock, limits)
-    places = RedisPlaces(clients[0], KEYS, here, LeaseKeeper(here, restore=True))
-    d.shared = places
-    releases = asyncio.create_task(places.run())
-    redis = Redis.from_url(redis_server.url, decode_responses=True)
-    try:
-        yield Setup(d, places, clock, here, other, redis)
-    finally:
-        releases.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await releases
-        await redis.aclose()
-        for client in clients:
-            await client.aclose()
+    async with two_instances(
+        redis_server.url, replicas, start=9_000_000.0, lease_ms=LEASE_MS
+    ) as two:
+        releases = asyncio.create_task(two.places.run())
+        redis = Redis.from_url(redis_server.url, decode_responses=True)
+        try:
+            yield Setup(two.d, two.places, two.clock, two.here, two.other, redis)
+        finally:
+            releases.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await releases
+            await redis.aclose()
 
 
 def _count_unwaits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
