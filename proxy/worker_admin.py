@@ -177,7 +177,11 @@ class WorkerAdmin:
 
     async def _write_back(self) -> None:
         """The hash is gone (a Redis restart, or never written): put back this worker's
-        drains, never taking one away, and tell the others when there were any."""
+        drains, never taking one away, and tell the others when there were any.
+
+        Only while the hash is still gone (WATCH): another worker's undrain written
+        since this one read it must stand (its announcement makes this one read again);
+        an unconditional write-back drained that replica again for the whole group."""
         mine: dict[EncodableT, EncodableT] = {
             str(r.name): "1" for r in self._runtime.pool.replicas if r.draining and not r.retired
         }
@@ -186,6 +190,10 @@ class WorkerAdmin:
         replicas = sorted(str(name) for name in mine)
         mine[HELD] = "1"
         async with self._redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(self._drained)
+            if await pipe.exists(self._drained):
+                return
+            pipe.multi()  # type: ignore[no-untyped-call]
             pipe.hset(self._drained, mapping=mine)
             pipe.pexpire(self._drained, DRAINED_TTL_MS)
             pipe.publish(self._channel, json.dumps({"op": "sync", "from": self._state.instance_id}))

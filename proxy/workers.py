@@ -163,9 +163,15 @@ def _end_with_parent(parent: int) -> None:
     ``PR_SET_PDEATHSIG``), even by SIGKILL. Left running, orphaned workers kept
     serving on the port, unsupervised, next to the workers of a parent started
     again (two groups, drains applying to one of them). SIGTERM drains them as
-    for a stop. Elsewhere nothing: a worker outlives a killed parent."""
+    for a stop. Elsewhere nothing: a worker outlives a killed parent.
+
+    Until exec the child keeps the parent's SIGTERM handler (``Supervisor.run``
+    installs it first): a SIGTERM caught there is gone, and the worker then ran
+    orphaned. Reset to the default, one arriving before exec ends the child (it
+    holds nothing yet); exec resets it anyway and the worker installs its own."""
     if not sys.platform.startswith("linux"):
         return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # it died before the line above

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from proxy.workers import _end_with_parent
 from tests.fleet import CLI, start_serve, write_config
 from tests.helpers import KEY_A
 from tests.redis_server import RedisServer
@@ -188,3 +192,20 @@ async def test_workers_end_when_the_parent_is_killed(
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
         await proxy.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_whose_parent_died_before_it_ran_is_ended() -> None:
+    # The supervisor installs its SIGTERM handler before spawning, and a forked child
+    # keeps it until exec: the SIGTERM sent for a parent already gone (and a parent
+    # death signal arriving before exec) was caught by that copy and the worker ran.
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    try:
+        gone = partial(_end_with_parent, os.getppid())  # never the child's parent
+        child = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=gone)
+        code = child.wait(timeout=60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == -signal.SIGTERM
+    assert caught == []
