@@ -31,7 +31,11 @@ switched to its local share (admitting more than the shared limits) and logged
 
 A call that timed out or was cancelled may still have run on the server: a
 lease it took is never renewed and frees within ``lease_ms``; a token it took
-is lost. Both err on the side of admitting less, never more.
+is lost. Both err on the side of admitting less, never more. The same holds
+for the one retry on a closed connection in the rare case that the first try
+ran before the connection closed (a proxy in between, ``CLIENT KILL``; after a
+restart Redis has forgotten the first): a seat is held twice until
+``lease_ms``, a quota charged one estimate more.
 """
 
 from __future__ import annotations
