@@ -34,8 +34,9 @@ lease it took is never renewed and frees within ``lease_ms``; a token it took
 is lost. Both err on the side of admitting less, never more. The same holds
 for the one retry on a closed connection in the rare case that the first try
 ran before the connection closed (a proxy in between, ``CLIENT KILL``; after a
-restart Redis has forgotten the first): a seat is held twice until
-``lease_ms``, a quota charged one estimate more.
+restart Redis has forgotten the first): the retry of a seat's acquire (same
+lease id) may be refused for the seat the first took, which then frees within
+``lease_ms``; a quota is charged one estimate more.
 """
 
 from __future__ import annotations
