@@ -22,7 +22,7 @@ from proxy.clock import FakeClock
 from proxy.dispatch import Dispatcher
 from proxy.errors import ModelNotFound, QueueTimeout
 from proxy.models import ModelTable
-from proxy.replicas import Replica
+from proxy.replicas import Replica, Seat
 from proxy.scheduler import Ticket
 from proxy.settings import BudgetsConfig
 from proxy.state import places as places_module
@@ -230,6 +230,26 @@ class Gate:
     opened: asyncio.Event
 
 
+async def _queued_behind_gets_the_seat(
+    setup: Setup,
+    gate: Gate,
+    waiter: asyncio.Task[Seat],
+    refused: type[Exception],
+    model: str | None = None,
+) -> None:
+    """b, queued while r0's seat waits on a held seat call, gets that seat at once when
+    the call's ticket is refused ``refused`` (not after its own queue budget)."""
+    b = setup.enqueue("b", model)
+    assert b.seat is None, "r0's seat is the held call's until it returns"
+    b_waiter = asyncio.create_task(setup.d.wait(b))
+    gate.opened.set()
+    with pytest.raises(refused):
+        await asyncio.wait_for(waiter, BOUND_S)
+    b_seat = await asyncio.wait_for(b_waiter, BOUND_S)
+    assert b_seat.replica.name == "r0" and b_seat.lease is not None
+    setup.d.finish(b, b_seat)
+
+
 def _gate(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> Gate:
     gate = Gate(asyncio.Event(), asyncio.Event())
     acquire, here = LeaseStore.acquire, setup.here
@@ -340,15 +360,7 @@ async def test_a_seat_given_back_for_a_model_gone_goes_to_the_next_queued_ticket
     await asyncio.wait_for(gate.entered.wait(), BOUND_S)
     table.update("r0", frozenset({"n"}))
     d.fleet_changed()
-    b = setup.enqueue("b", "n")
-    assert b.seat is None, "r0's seat is a's until its call returns"
-    b_waiter = asyncio.create_task(d.wait(b))
-    gate.opened.set()
-    with pytest.raises(ModelNotFound):
-        await asyncio.wait_for(waiter, BOUND_S)
-    b_seat = await asyncio.wait_for(b_waiter, BOUND_S)
-    assert b_seat.replica.name == "r0" and b_seat.lease is not None
-    d.finish(b, b_seat)
+    await _queued_behind_gets_the_seat(setup, gate, waiter, ModelNotFound, "n")
 
 
 @pytest.mark.parametrize("setup", [{"r0": 2}], indirect=True)
@@ -374,13 +386,5 @@ async def test_a_seat_given_back_for_a_turn_refused_at_expiry_goes_to_the_next_q
     waiter = asyncio.create_task(d.wait(second))
     await asyncio.wait_for(gate.entered.wait(), BOUND_S)
     setup.clock.advance(2.0)  # its 1 s budget ends; nothing in Redis (a minute) expires
-    b = setup.enqueue("b")
-    assert b.seat is None, "r0's seats are a's"
-    b_waiter = asyncio.create_task(d.wait(b))
-    gate.opened.set()
-    with pytest.raises(QueueTimeout):
-        await asyncio.wait_for(waiter, BOUND_S)
-    b_seat = await asyncio.wait_for(b_waiter, BOUND_S)
-    assert b_seat.replica.name == "r0" and b_seat.lease is not None
-    d.finish(b, b_seat)
+    await _queued_behind_gets_the_seat(setup, gate, waiter, QueueTimeout)
     d.finish(first, first_seat)

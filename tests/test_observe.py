@@ -283,6 +283,22 @@ async def test_switching_by_reload_loses_nothing_in_flight(
     proxy.assert_idle()
 
 
+async def _observing_a_day_quota_of_60(
+    start_proxy: Start,
+    aiohttp_server: ServerFactory,
+    tmp_path: Path,
+    access_log: io.StringIO | bool = True,
+) -> tuple[Gate, ProxyUnderTest]:
+    """A proxy in observe mode in front of an open gate; tenant a: 60 tokens a day."""
+    gate = Gate()
+    gate.open.set()
+    server = await aiohttp_server(gate.app())
+    url = str(server.make_url("")).rstrip("/")
+    path = tmp_path / "proxy.yaml"
+    _write(path, _document(url, "observe", token_quota={"per_day": 60}))
+    return gate, await start_proxy(load_config(path), access_log=access_log)
+
+
 async def test_observe_mode_forwards_a_request_over_its_token_quota(
     start_proxy: Start, aiohttp_server: ServerFactory, tmp_path: Path
 ) -> None:
@@ -290,14 +306,8 @@ async def test_observe_mode_forwards_a_request_over_its_token_quota(
     tokens) is charged; the second's (100 tokens) does not fit, so enforcing would
     answer 429 token_quota_exceeded; in observe mode it is forwarded and answered
     200, counted would_token_quota_exceeded, and charged nothing."""
-    gate = Gate()
-    gate.open.set()
-    server = await aiohttp_server(gate.app())
-    url = str(server.make_url("")).rstrip("/")
-    path = tmp_path / "proxy.yaml"
-    _write(path, _document(url, "observe", token_quota={"per_day": 60}))
     log = io.StringIO()
-    proxy = await start_proxy(load_config(path), access_log=log)
+    gate, proxy = await _observing_a_day_quota_of_60(start_proxy, aiohttp_server, tmp_path, log)
     statuses = []
     for max_tokens in (10, 100):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
@@ -318,13 +328,7 @@ async def test_observe_mode_answers_over_quota_with_the_ratelimit_headers(
     """A token quota of 60 a day: the second request does not fit. Forwarded in observe
     mode, its answer still carries the x-ratelimit-* token headers (enforcing's 429 would),
     counting the first request's charge only."""
-    gate = Gate()
-    gate.open.set()
-    server = await aiohttp_server(gate.app())
-    url = str(server.make_url("")).rstrip("/")
-    path = tmp_path / "proxy.yaml"
-    _write(path, _document(url, "observe", token_quota={"per_day": 60}))
-    proxy = await start_proxy(load_config(path))
+    _, proxy = await _observing_a_day_quota_of_60(start_proxy, aiohttp_server, tmp_path)
     remaining = []
     for max_tokens in (10, 100):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
