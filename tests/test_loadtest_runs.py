@@ -237,7 +237,13 @@ def test_cli_staircase_writes_the_report_and_prints_the_snippet(
 
 # --- phases through the proxy ------------------------------------------------
 
-PHASES_SIM = SimConfig(slots=4, decode_base_ms=2.0, decode_per_seq_ms=0.5, prefill_ms_per_token=0.0)
+#: Seed 4: the fault's first three draws (0.24, 0.10, 0.40) all fail at the burst's error
+#: rate of 0.5, so even the one or two requests a loaded machine sends replica 0 during the
+#: one-second burst fail and are retried. The default seed's first two draws (0.84, 0.76)
+#: passed: a fresh clone saw the fault and no retry.
+PHASES_SIM = SimConfig(
+    slots=4, decode_base_ms=2.0, decode_per_seq_ms=0.5, prefill_ms_per_token=0.0, seed=4
+)
 
 
 def phases_workload(**overrides: Any) -> dict[str, Any]:
