@@ -64,6 +64,30 @@ def assert_png_with_content(path: Path) -> None:
     assert drawn / len(flat) > 0.05, f"{path} has almost nothing drawn"
 
 
+#: Staircases run when the last one showed machine noise (``machine_noise``).
+STAIRCASE_ATTEMPTS = 3
+#: Within the slots every request of ``KNEE_SIM`` takes the same time (no prefill
+#: cost, the same ``max_tokens``), so a level whose p99 is this far above its p50
+#: measured the machine's other work, not the sim.
+NOISE_SPREAD = 1.3
+
+
+def machine_noise(result: StaircaseResult) -> bool:
+    """Whether a level within the sim's 8 slots was stretched by other work on the machine.
+
+    The knee and the stop line are read against the first levels: a stall there
+    (seen with other suites running beside this one on two cores) inflates the
+    baseline p99 so that no later level reaches twice it. A staircase that missed the
+    knee is run again only on this evidence; one that missed it on a quiet machine
+    fails at once.
+    """
+    return any(
+        (level.latency_p99_ms or 0.0) > NOISE_SPREAD * (level.latency_p50_ms or 0.0)
+        for level in result.levels
+        if level.concurrency <= KNEE_SIM.slots
+    )
+
+
 @pytest.fixture
 async def knee_sim() -> AsyncIterator[SimServer]:
     sim = await start_sim(KNEE_SIM)
@@ -87,10 +111,18 @@ async def test_staircase_finds_the_knee_of_an_8_slot_sim(
         level_timeout_s=30.0,
         cool_down_s=0.0,
     )
-    result = await run_staircase(plan)
-    verdict = result.verdict
-    assert verdict.recommended_max_concurrency is not None
-    assert 4 <= verdict.recommended_max_concurrency <= 16, result.levels
+    for _attempt in range(STAIRCASE_ATTEMPTS):
+        result = await run_staircase(plan)
+        verdict = result.verdict
+        in_range = 4 <= (verdict.recommended_max_concurrency or 0) <= 16
+        if in_range or not machine_noise(result):
+            break
+    table = [
+        (lv.concurrency, lv.requests_per_s, lv.latency_p50_ms, lv.latency_p99_ms)
+        for lv in result.levels
+    ]
+    assert verdict.recommended_max_concurrency is not None, table
+    assert 4 <= verdict.recommended_max_concurrency <= 16, table
     assert verdict.throughput_knee is not None and 4 <= verdict.throughput_knee <= 16
     assert verdict.stop is not None, "latency past 8 slots must trip the p99 line"
     assert all(level.error_count == 0 for level in result.levels)
