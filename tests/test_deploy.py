@@ -9,30 +9,47 @@ the paths it serves. Each test names one promise a deployer relies on.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import io
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import redirect_stderr
 from pathlib import Path, PurePosixPath
-from typing import Any, get_args
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
+import aiohttp
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
+from opentelemetry.sdk import environment_variables as otel_environment
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 from proxy import schema
 from proxy.cli import _parser
 from proxy.errors import Outcome, ProxyError
-from proxy.settings import DEFAULT_PORT, Config, ConfigError, dump_effective_config, parse_config
+from proxy.settings import (
+    DEFAULT_PORT,
+    ENV_NESTED_DELIMITER,
+    ENV_PREFIX,
+    Config,
+    ConfigError,
+    dump_effective_config,
+    hash_api_key,
+    parse_config,
+)
+from proxy.sim import SimConfig, start_sim
+from proxy.workers import WORKER_COUNT_ENV, WORKER_GROUP_ENV
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 
@@ -1232,3 +1249,250 @@ def test_every_query_parses_and_replica_limits_add_up(tmp_path: Path) -> None:
     path = tmp_path / "queries_test.yml"
     path.write_text(yaml.safe_dump(tests, sort_keys=False), encoding="utf-8")
     _run_promtool("test", "rules", str(path))
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` and ``Annotated[X, ...]`` -> X."""
+    while True:
+        origin = get_origin(annotation)
+        if origin is Annotated:
+            annotation = get_args(annotation)[0]
+        elif origin in (Union, UnionType):
+            options = [a for a in get_args(annotation) if a is not type(None)]
+            if len(options) != 1:
+                return annotation
+            annotation = options[0]
+        else:
+            return annotation
+
+
+def _settings_read(name: str) -> bool:
+    """Whether pydantic-settings maps ``name`` onto a key of the config (prefix
+    ``ADMISSION_``, ``__`` between levels, any case): a typo is silently ignored."""
+    if not name.upper().startswith(ENV_PREFIX):
+        return False
+    parts = name[len(ENV_PREFIX) :].lower().split(ENV_NESTED_DELIMITER)
+    current: Any = Config
+    for index, part in enumerate(parts):
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(part)
+            if field is None:
+                return False
+            current = _unwrap(field.annotation)
+        elif get_origin(current) is dict and part:
+            current = _unwrap(get_args(current)[1])
+        else:
+            return False
+        if index == len(parts) - 1:
+            return True
+    return False
+
+
+#: Variables the OpenTelemetry SDK reads (``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_*``...).
+OTEL_VARIABLES = frozenset(
+    value
+    for name, value in vars(otel_environment).items()
+    if name.startswith("OTEL_") and isinstance(value, str)
+)
+#: Read by the NVIDIA container toolkit, for NVML in a container that holds no GPU.
+NVIDIA_VARIABLES = frozenset({"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"})
+#: Set by ``serve --workers N`` for its workers, read by them (workers.py).
+WORKER_VARIABLES = frozenset({WORKER_GROUP_ENV, WORKER_COUNT_ENV})
+
+
+def _read_by_the_proxy(name: str, config: Config) -> bool:
+    """Whether a proxy running ``config`` reads the variable ``name``."""
+    named = {config.admin.token_env} | {r.api_key_env for r in config.replicas if r.api_key_env}
+    if any(r.gpu_index is not None for r in config.replicas):
+        named |= NVIDIA_VARIABLES
+    return name in named or name in OTEL_VARIABLES or _settings_read(name)
+
+
+def test_env_names_the_settings_read() -> None:
+    """The checker itself: real overrides in, typos and service-link names out."""
+    for name in ("ADMISSION_SERVER__PORT", "ADMISSION_REPLICAS", "admission_state__redis_url",
+                 "ADMISSION_TENANTS__ACME__WEIGHT", "ADMISSION_PRIORITIES__BATCH__WEIGHT",
+                 "ADMISSION_ROUTING__POLICY", "ADMISSION_MODE"):  # fmt: skip
+        assert _settings_read(name), name
+    for name in ("ADMISSION_STATE_BACKEND", "ADMISSION_SERVER__PROT", "ADMISSION_PROXY_PORT",
+                 "ADMISSION_REPLICAS__0__URL", "ADMISSION_SERVER__PORT__X", "ADMISSION_TENANTS__",
+                 "OTHER_SERVER__PORT", "ADMISSION_ADMIN_TOKEN"):  # fmt: skip
+        assert not _settings_read(name), name
+
+
+def _proxy_environments() -> Iterator[tuple[str, list[str], Config]]:
+    """(where, variable names, the config it runs) for every proxy container we ship."""
+    compose = _compose()
+    for name in _proxy_services(compose):
+        service = compose["services"][name]
+        env = {k: str(v) for k, v in service["environment"].items()}
+        config = _config_from(_host_path(service, _cli(service["command"]).config), env)
+        yield f"compose {name}", list(env), config
+    for mode in ("gateway", "sidecar"):
+        objects, generated, _ = _kustomize(mode)
+        pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+        proxy = _container(pod, "admission-proxy")
+        (config_file,) = [generated[v["configMap"]["name"]] for v in pod["volumes"]
+                          if "configMap" in v]  # fmt: skip
+        yield f"kubernetes {mode}", [e["name"] for e in proxy["env"]], _config_from(config_file)
+
+
+def test_every_variable_given_to_the_proxy_is_one_it_reads() -> None:
+    """Each variable compose and the manifests give the proxy is an ``ADMISSION_*``
+    override that reaches a config key, the admin token or an engine key the config
+    names, a standard OTEL_* one or the NVIDIA toolkit's for NVML: a misspelt override
+    (ADMISSION_STATE_BACKEND) would be ignored without a word."""
+    seen = 0
+    for where, names, config in _proxy_environments():
+        for name in names:
+            seen += 1
+            assert _read_by_the_proxy(name, config), f"{where}: nothing reads {name}"
+    assert seen
+
+
+#: ``ADMISSION_...`` written out in full (not ``ADMISSION_*`` or ``ADMISSION_<SECTION>``).
+_ADMISSION_NAME = re.compile(r"\bADMISSION_[A-Za-z0-9_]*[A-Za-z0-9](?![\w*<])")
+
+
+def test_every_variable_the_deployment_files_name_exists() -> None:
+    """Every ``ADMISSION_*`` variable named in the Dockerfile (its HEALTHCHECK reads one),
+    compose, deploy/ and docs/DEPLOYMENT.md is one the proxy reads."""
+    default = make_config(["http://127.0.0.1:9"])
+    files = [ROOT / "Dockerfile", ROOT / "docker-compose.yml", ROOT / "docs" / "DEPLOYMENT.md"]
+    files += [p for p in DEPLOY.rglob("*") if p.is_file()]
+    found = 0
+    for path in files:
+        for name in _ADMISSION_NAME.findall(path.read_text(encoding="utf-8")):
+            found += 1
+            known = _read_by_the_proxy(name, default) or name in WORKER_VARIABLES
+            assert known, f"{_rel(path)}: nothing reads {name}"
+    assert found
+
+
+# --------------------------------------------------------------------------- probes, live
+
+
+def _probe_budget_s(probe: dict[str, Any]) -> int:
+    """How long the kubelet lets a probe fail before it acts (restart, or no traffic)."""
+    delay = int(probe.get("initialDelaySeconds", 0))
+    return delay + int(probe.get("periodSeconds", 10)) * int(probe.get("failureThreshold", 3))
+
+
+async def _get_status(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with session.get(url) as response:
+        return response.status, await response.json()
+
+
+async def _until_status(
+    session: aiohttp.ClientSession, url: str, status: int, within_s: float
+) -> Any:
+    """Poll ``url`` until it answers ``status``; its JSON body then."""
+    async with asyncio.timeout(within_s):
+        while True:
+            got, body = await _get_status(session, url)
+            if got == status:
+                return body
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "gateway"])
+async def test_kubernetes_probes_answer_as_the_manifest_expects(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
+    """The proxy container's own command on its ConfigMap file, as a real process: liveness
+    answers 200 within the liveness probe's budget while the engine still loads (a restart
+    would not help), readiness is 503 naming the starting replicas until the engine
+    answers, then 200; on SIGTERM readiness turns 503 while liveness stays 200 (the drain
+    is not a death), and the process exits before the pod's grace period ends. Only the
+    listen address (a loopback port the OS picks) and the engine URLs differ; the gateway
+    gets a real Redis at its redis_url."""
+    objects, generated, _ = _kustomize(mode)
+    pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    proxy = _container(pod, "admission-proxy")
+    args = _cli(proxy["args"])
+    (config_file,) = [generated[v["configMap"]["name"]] for v in pod["volumes"]
+                      if "configMap" in v]  # fmt: skip
+    assert PurePosixPath(args.config).parent == PurePosixPath(CONFIG_DIR)
+    ready_path = proxy["readinessProbe"]["httpGet"]["path"]
+    live_path = proxy["livenessProbe"]["httpGet"]["path"]
+    live_budget_s = _probe_budget_s(proxy["livenessProbe"])
+    stop_budget_s = pod["terminationGracePeriodSeconds"] - _sleep_s(proxy)
+
+    engine = await start_sim(SimConfig(seed=0))
+    await engine.refuse_for(None)  # the engine is still loading its model
+    document = _load(config_file)
+    replicas = [{**r, "url": engine.url, "metrics_url": None} for r in document["replicas"]]
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+    env["ADMISSION_REPLICAS"] = json.dumps(replicas)
+    if document.get("state", {}).get("backend") == "redis":
+        env["ADMISSION_STATE__REDIS_URL"] = request.getfixturevalue("redis_server").url
+    argv = [*proxy["args"]]
+    argv[argv.index(args.config)] = str(config_file)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *argv, "--host", "127.0.0.1", "--port", "0",
+        stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(live_budget_s):
+            while not any(e.get("event") == "listening" for e in events):
+                line = await process.stdout.readline()
+                assert line, f"the proxy exited before listening: {events}"
+                events.append(json.loads(line))
+        port = next(e["port"] for e in events if e.get("event") == "listening")
+        drain = asyncio.ensure_future(_read_events(process, events))
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            assert (await _get_status(session, base + live_path))[0] == 200
+            status, body = await _get_status(session, base + ready_path)
+            assert status == 503
+            assert body["starting"] == [r["name"] for r in replicas]
+
+            await engine.accept()  # loaded: the proxy probes, warms up and takes traffic
+            await _until_status(session, base + ready_path, 200, within_s=30)
+            assert (await _get_status(session, base + live_path))[0] == 200
+
+            # A stream in flight holds the drain open until its client leaves.
+            stream = await session.post(
+                base + "/v1/chat/completions",
+                json={"model": "sim-model", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 60_000, "stream": True},
+                headers={"Authorization": f"Bearer {_example_key(config_file)}"},
+            )  # fmt: skip
+            assert stream.status == 200, await stream.text()
+            await stream.content.readline()  # tokens are flowing
+            process.send_signal(signal.SIGTERM)
+            body = await _until_status(session, base + ready_path, 503, within_s=5)
+            assert body["shutting_down"] is True
+            assert (await _get_status(session, base + live_path))[0] == 200
+            stream.close()
+        async with asyncio.timeout(stop_budget_s):
+            assert await process.wait() == 0
+        await drain
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await engine.close()
+
+
+def _example_key(config_file: Path) -> str:
+    """The example key a config's comment hashes (``printf '%s' 'KEY' | sha256sum``), checked
+    against the ``sha256:`` entries it stands for."""
+    match = re.search(r"printf '%s' '([^']+)' \| sha256sum", config_file.read_text("utf-8"))
+    assert match is not None, f"{_rel(config_file)} names no example key"
+    config = _config_from(config_file)
+    stored = {entry for tenant in config.tenants.values() for entry in tenant.api_keys}
+    assert f"sha256:{hash_api_key(match[1])}" in stored, match[1]
+    return match[1]
+
+
+async def _read_events(process: asyncio.subprocess.Process, events: list[dict[str, Any]]) -> None:
+    """Keep the process's log pipe drained (its JSON lines) until it closes."""
+    assert process.stdout is not None
+    while line := await process.stdout.readline():
+        events.append(json.loads(line))
