@@ -49,7 +49,7 @@ from proxy.settings import (
     parse_config,
 )
 from proxy.sim import SimConfig, start_sim
-from proxy.workers import WORKER_COUNT_ENV, WORKER_GROUP_ENV
+from proxy.workers import WORKER_COUNT_ENV, WORKER_GROUP_ENV, workers_refusal
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 
@@ -1496,3 +1496,87 @@ async def _read_events(process: asyncio.subprocess.Process, events: list[dict[st
     assert process.stdout is not None
     while line := await process.stdout.readline():
         events.append(json.loads(line))
+
+
+# --------------------------------------------------------------------------- processes and CPU
+
+
+def _cores(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity (``500m``, ``2``) in cores."""
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_kubernetes_cpu_request_fits_the_proxy_processes(mode: str) -> None:
+    """One proxy process uses at most one core; ``serve --workers N`` uses N (and needs
+    Redis for N > 1). The CPU a pod requests for the proxy is no more than its processes
+    can use: ``cpu: 4`` without ``--workers 4`` reserves three idle cores."""
+    objects, generated, _ = _kustomize(mode)
+    pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    proxy = _container(pod, "admission-proxy")
+    args = _cli(proxy["args"])
+    (config_file,) = [generated[v["configMap"]["name"]] for v in pod["volumes"]
+                      if "configMap" in v]  # fmt: skip
+    assert workers_refusal(_config_from(config_file), args.workers) is None
+    assert 0 < _cores(proxy["resources"]["requests"]["cpu"]) <= args.workers
+
+
+def test_compose_healthcheck_probes_the_port_the_proxy_serves() -> None:
+    """The image's HEALTHCHECK probes ``$ADMISSION_SERVER__PORT`` (else the default port):
+    in every compose proxy that is the port its config serves, or the proxy stays
+    unhealthy and what waits for it (traffic) never starts."""
+    compose = _compose()
+    for name in _proxy_services(compose):
+        service = compose["services"][name]
+        env = {k: str(v) for k, v in service["environment"].items()}
+        config = _config_from(_host_path(service, _cli(service["command"]).config), env)
+        probed = int(env.get("ADMISSION_SERVER__PORT", DEFAULT_PORT))
+        assert probed == config.server.port, name
+    waiting = compose["services"]["traffic"]["depends_on"]
+    assert waiting["proxy"]["condition"] == "service_healthy"
+
+
+#: A repository path in prose or a comment: ``deploy/...``, ``config/...``, ``docs/...``.
+_REPO_PATH = re.compile(r"(?<![\w/.-])((?:deploy|config|docs|scripts|bench)/[\w./-]*\w)")
+
+
+def test_every_repository_path_the_deployment_files_name_exists() -> None:
+    """Paths docs/DEPLOYMENT.md, the Dockerfile, compose and deploy/ send a reader to
+    (``kubectl apply -k deploy/kubernetes/gateway``, ``deploy/prometheus/alerts.yml``) exist."""
+    files = [ROOT / "Dockerfile", ROOT / "docker-compose.yml", ROOT / "docs" / "DEPLOYMENT.md"]
+    files += [p for p in DEPLOY.rglob("*") if p.is_file()]
+    named = 0
+    for path in files:
+        for found in _REPO_PATH.findall(path.read_text(encoding="utf-8")):
+            named += 1
+            assert (ROOT / found).exists(), f"{_rel(path)} names {found}, which does not exist"
+    assert named
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_kustomize_builds_what_kubectl_applies(mode: str) -> None:
+    """``kubectl kustomize`` (what ``kubectl apply -k`` applies) builds each directory, with
+    the config file as the ConfigMap's ``config.yaml`` and the image as kustomization names."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed")
+    directory = DEPLOY / "kubernetes" / mode
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    objects, generated, kustomization = _kustomize(mode)
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in built) == sorted(
+        [(o["kind"], o["metadata"]["name"]) for o in objects]
+        + [("ConfigMap", name) for name in generated]
+    )
+    for name, path in generated.items():
+        (config_map,) = [o for o in built if o["kind"] == "ConfigMap"]
+        assert config_map["metadata"]["name"] == name
+        assert config_map["data"] == {path.name: path.read_text(encoding="utf-8")}
+    (image,) = kustomization["images"]
+    pod = _one(built, "Deployment")["spec"]["template"]["spec"]
+    assert _container(pod, "admission-proxy")["image"] == f"{image['newName']}:{image['newTag']}"
