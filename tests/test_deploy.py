@@ -1580,3 +1580,70 @@ def test_kustomize_builds_what_kubectl_applies(mode: str) -> None:
     (image,) = kustomization["images"]
     pod = _one(built, "Deployment")["spec"]["template"]["spec"]
     assert _container(pod, "admission-proxy")["image"] == f"{image['newName']}:{image['newTag']}"
+
+
+async def _raw_get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    """One GET on a new connection (as the kubelet and Prometheus open one per probe)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: probe\r\n\r\n".encode())
+        await writer.drain()
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in head[1:] if line)
+        body = await reader.readexactly(int(headers["Content-Length"]))
+        return int(head[0].split()[1]), headers, body
+    finally:
+        writer.close()
+
+
+async def test_probes_and_scrapes_answer_at_the_connection_cap(tmp_path: Path) -> None:
+    """At ``server.max_connections`` a new client connection is answered 503
+    overloaded_connections, but the kubelet's probes and Prometheus' scrape still get their
+    answers (liveness 200: a restart would drop every connection; readiness by its
+    replicas; metrics while the overload is on), each closing its connection after."""
+    path = tmp_path / "proxy.yaml"
+    document = {
+        "server": {"max_connections": 2, "header_ms": 60_000},
+        "replicas": [{"name": "r0", "url": "http://127.0.0.1:9", "max_concurrency": 1}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+    }
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(path),
+        "--host", "127.0.0.1", "--port", "0", stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    held: list[asyncio.StreamWriter] = []
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(20):
+            while not any(e.get("event") == "listening" for e in events):
+                line = await process.stdout.readline()
+                assert line, f"the proxy exited before listening: {events}"
+                events.append(json.loads(line))
+        port = next(e["port"] for e in events if e.get("event") == "listening")
+        drain = asyncio.ensure_future(_read_events(process, events))
+        for _ in range(2):
+            held.append((await asyncio.open_connection("127.0.0.1", port))[1])
+        status, headers, _ = await _raw_get(port, "/v1/models")
+        assert (status, headers["X-Admission-Reason"]) == (503, "overloaded_connections")
+
+        status, headers, body = await _raw_get(port, "/healthz")
+        assert status == 200 and headers["Connection"] == "close"
+        status, headers, body = await _raw_get(port, "/readyz")
+        assert status == 503 and "X-Admission-Reason" not in headers
+        assert json.loads(body)["ready"] is False  # no replica: not the connection cap
+        status, headers, body = await _raw_get(port, "/metrics")
+        assert status == 200 and b"admission_requests_total" in body
+        assert b'reason="overloaded_connections"' in body
+        status, headers, _ = await _raw_get(port, "/admin/state")
+        assert (status, headers["X-Admission-Reason"]) == (503, "overloaded_connections")
+    finally:
+        for writer in held:
+            writer.close()
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(20):
+                await process.wait()
+    await drain
