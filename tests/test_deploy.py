@@ -1647,3 +1647,25 @@ async def test_probes_and_scrapes_answer_at_the_connection_cap(tmp_path: Path) -
             async with asyncio.timeout(20):
                 await process.wait()
     await drain
+
+
+def test_one_pod_monitor_selector_finds_every_proxy_pod() -> None:
+    """Gateway and sidecar pods (each with a proxy) carry the label the scrape comments
+    and docs/DEPLOYMENT.md tell a PodMonitor to select, on the port named ``http``; the
+    gateway's Redis does not (it has no /metrics)."""
+    key, value = "app.kubernetes.io/part-of", "admission-proxy"
+    for mode in ("gateway", "sidecar"):
+        objects, _, _ = _kustomize(mode)
+        for kind in ("Deployment", "StatefulSet"):
+            for workload in [o for o in objects if o["kind"] == kind]:
+                template = workload["spec"]["template"]
+                names = {c["name"] for c in template["spec"]["containers"]}
+                labelled = template["metadata"]["labels"].get(key) == value
+                assert labelled == ("admission-proxy" in names), workload["metadata"]["name"]
+                if labelled:
+                    proxy = _container(template["spec"], "admission-proxy")
+                    assert "http" in {p["name"] for p in proxy["ports"]}
+    selector = f"{key}={value}"
+    assert selector in (DEPLOY / "prometheus" / "prometheus.yml").read_text(encoding="utf-8")
+    guide = (ROOT / "docs" / "DEPLOYMENT.md").read_text(encoding="utf-8")
+    assert f"`{key}: {value}`" in guide
