@@ -1669,3 +1669,27 @@ def test_one_pod_monitor_selector_finds_every_proxy_pod() -> None:
     assert selector in (DEPLOY / "prometheus" / "prometheus.yml").read_text(encoding="utf-8")
     guide = (ROOT / "docs" / "DEPLOYMENT.md").read_text(encoding="utf-8")
     assert f"`{key}: {value}`" in guide
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_containers_of_other_images_can_run_as_the_pods_uid(mode: str) -> None:
+    """A container of another image (vLLM) run under the pod's numeric uid has no passwd
+    entry for it: ``getpass.getuser()`` (torch's compile cache) raises unless ``USER`` is
+    set, and the home directory is not its own unless ``HOME`` is. Our image defines its
+    uid (the Dockerfile's USER), so the proxy needs neither."""
+    objects, _, kustomization = _kustomize(mode)
+    ours = {image["name"] for image in kustomization["images"]}
+    for kind in ("Deployment", "StatefulSet"):
+        for workload in [o for o in objects if o["kind"] == kind]:
+            pod = workload["spec"]["template"]["spec"]
+            for container in pod["containers"]:
+                if container["image"] in ours:
+                    user = _final("USER")[-1].split(":")[0]
+                    assert str(pod["securityContext"]["runAsUser"]) == user
+                    continue
+                uid = container.get("securityContext", {}).get("runAsUser")
+                uid = uid or pod.get("securityContext", {}).get("runAsUser")
+                if uid is None or container["image"].startswith("redis:"):
+                    continue  # the image's own user; redis' uid 999 is in its passwd
+                env = {e["name"] for e in container.get("env", [])}
+                assert {"HOME", "USER"} <= env, container["name"]
