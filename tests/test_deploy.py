@@ -15,6 +15,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -40,6 +41,7 @@ from proxy.cli import _parser
 from proxy.errors import Outcome, ProxyError
 from proxy.settings import (
     DEFAULT_PORT,
+    DEFAULT_ROUTES,
     ENV_NESTED_DELIMITER,
     ENV_PREFIX,
     Config,
@@ -1693,3 +1695,72 @@ def test_containers_of_other_images_can_run_as_the_pods_uid(mode: str) -> None:
                     continue  # the image's own user; redis' uid 999 is in its passwd
                 env = {e["name"] for e in container.get("env", [])}
                 assert {"HOME", "USER"} <= env, container["name"]
+
+
+# --------------------------------------------------------------------------- the guide
+
+GUIDE = ROOT / "docs" / "DEPLOYMENT.md"
+
+
+def _guide_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.DOTALL)
+
+
+def test_every_config_snippet_in_the_guide_is_valid() -> None:
+    """Each YAML snippet of docs/DEPLOYMENT.md, completed with a minimal replica and tenant
+    where it has none, passes the config schema (key names, types, enum values); the
+    ``routes`` snippet is the default list itself."""
+    validator = jsonschema.Draft202012Validator(json.loads(schema.render()))
+    minimal = {
+        "replicas": [{"name": "r0", "url": "http://127.0.0.1:9", "max_concurrency": 1}],
+        "tenants": {"a": {"api_keys": ["k"]}},
+    }
+    blocks = _guide_blocks("yaml")
+    assert blocks
+    for block in blocks:
+        snippet = yaml.safe_load(block)
+        errors = [
+            f"{list(e.absolute_path)}: {e.message}"
+            for e in validator.iter_errors({**minimal, **snippet})
+        ]
+        assert errors == [], block
+    (routes,) = [yaml.safe_load(b)["routes"] for b in blocks if "routes:" in b.split("\n")[0]]
+    assert tuple(routes) == DEFAULT_ROUTES
+
+
+#: An ``admission-proxy ...`` command in backticks (wrapped lines joined).
+_COMMAND = re.compile(r"`(admission-proxy [^`]+)`")
+#: The guide's placeholders, as a reader fills them in.
+PLACEHOLDERS = {"PATH": "config.yaml", "N": "2"}
+
+
+def _guide_commands() -> list[list[str]]:
+    text = re.sub(r"\s*\n\s*", " ", GUIDE.read_text(encoding="utf-8"))
+    commands = [shlex.split(c)[1:] for c in _COMMAND.findall(text)]
+    for block in _guide_blocks("sh"):
+        for line in block.splitlines():
+            if not line.startswith("docker run "):
+                continue
+            words = shlex.split(line, comments=True)
+            commands.append(words[words.index("admission-proxy") + 1 :])
+    return [[PLACEHOLDERS.get(w, w) for w in command] for command in commands]
+
+
+def test_every_command_the_guide_gives_is_the_cli() -> None:
+    """Each ``admission-proxy`` command in docs/DEPLOYMENT.md (and each ``docker run`` of
+    the image with arguments) parses with the real CLI; a ``loadtest`` named in prose gets
+    the one flag it needs (``--url``) from the reader."""
+    commands = [c for c in _guide_commands() if c]
+    assert len(commands) >= 4
+    for command in commands:
+        if command[0] == "loadtest" and "--url" not in command:
+            command = [*command, "--url", "http://127.0.0.1:8080"]
+        _cli(command)
+    lines = [line for block in _guide_blocks("sh") for line in block.splitlines()]
+    schema_runs = [
+        shlex.split(line, comments=True)[3:]
+        for line in lines
+        if line.startswith("python -m proxy.schema")
+    ]
+    assert sorted(schema_runs) == [["--check"], ["--write"]]
+    assert schema.main(["--check"]) == 0  # the committed schema is what --write writes
