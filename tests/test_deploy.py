@@ -1764,3 +1764,21 @@ def test_every_command_the_guide_gives_is_the_cli() -> None:
     ]
     assert sorted(schema_runs) == [["--check"], ["--write"]]
     assert schema.main(["--check"]) == 0  # the committed schema is what --write writes
+
+
+def test_the_guides_kubectl_targets_are_the_manifests_objects() -> None:
+    """``deployment/NAME`` and ``kubectl apply -k DIR`` in the guide name Deployments and
+    kustomizations that exist."""
+    text = re.sub(r"\s*\n\s*", " ", GUIDE.read_text(encoding="utf-8"))
+    deployments = {
+        o["metadata"]["name"]
+        for mode in ("gateway", "sidecar")
+        for o in _kustomize(mode)[0]
+        if o["kind"] == "Deployment"
+    }
+    named = re.findall(r"`?deployment/([\w-]+)`", text)
+    assert named and set(named) <= deployments
+    applied = re.findall(r"kubectl apply -k (deploy/[\w/.-]*\w)", text)
+    assert applied
+    for directory in applied:
+        assert (ROOT / directory / "kustomization.yaml").is_file(), directory
