@@ -1782,3 +1782,16 @@ def test_the_guides_kubectl_targets_are_the_manifests_objects() -> None:
     assert applied
     for directory in applied:
         assert (ROOT / directory / "kustomization.yaml").is_file(), directory
+
+
+def test_the_guide_names_every_override_compose_gives_the_proxy() -> None:
+    """docs/DEPLOYMENT.md says which keys compose overrides from the environment: exactly
+    the ``ADMISSION_*`` variables the compose proxies get."""
+    guide = GUIDE.read_text(encoding="utf-8")
+    section = guide[guide.index("## The whole stack on one machine") :]
+    section = section[: section.index("\n## ", 1)]
+    named = set(_ADMISSION_NAME.findall(section))
+    compose = _compose()
+    for name in _proxy_services(compose):
+        given = {k for k in compose["services"][name]["environment"] if k.startswith(ENV_PREFIX)}
+        assert given == named, name
