@@ -1795,3 +1795,16 @@ def test_the_guide_names_every_override_compose_gives_the_proxy() -> None:
     for name in _proxy_services(compose):
         given = {k for k in compose["services"][name]["environment"] if k.startswith(ENV_PREFIX)}
         assert given == named, name
+
+
+def test_containers_listen_beyond_their_own_loopback() -> None:
+    """The config baked into the image and each Kubernetes ConfigMap listen on every
+    interface at the port the container exposes: on loopback, no probe, Service or
+    published port could reach the proxy. (Compose overrides demo.yaml's loopback host.)"""
+    baked = _config_from(ROOT / "config" / "example.yaml")
+    assert baked.server.host in ("0.0.0.0", "::")
+    assert [str(baked.server.port)] == _final("EXPOSE")
+    for mode in ("gateway", "sidecar"):
+        _, generated, _ = _kustomize(mode)
+        for config_file in generated.values():
+            assert _config_from(config_file).server.host in ("0.0.0.0", "::"), mode
