@@ -24,6 +24,8 @@ the limits, all read once at start-up (a change needs a restart):
   open has its request head read (still within ``header_ms``) and answered
   503 ``overloaded_connections`` with ``Connection: close``; no handler runs
   for it. Answering, rather than closing at accept, tells a client why.
+  ``/healthz``, ``/readyz`` and ``/metrics`` are the exception: answered as
+  usual, then closed (``UNCAPPED_PATHS``), so probes and scrapes still work.
 
 Each answer given here is counted and logged like any request (tenant and
 priority ``unknown``) through ``Telemetry.request_ended``: one access line,
@@ -75,6 +77,12 @@ MAX_FIELD_BYTES = 8190
 MAX_HEADERS = 128
 #: What the access line says for the method and path of a request never parsed.
 UNPARSED = "-"
+#: Reserved paths still answered on a connection beyond ``max_connections``: the
+#: kubelet's probes and Prometheus' scrape open a new connection each time. Refused,
+#: a proxy at its cap failed liveness (and was restarted, dropping every connection)
+#: and went dark on its metrics exactly during the overload. Each is cheap, never
+#: reaches a replica, and closes its connection after the answer.
+UNCAPPED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 class HeaderTimeout(Exception):
@@ -273,7 +281,12 @@ class Connection(RequestHandler):
         return self._answer(error, request, parsed=True)
 
     async def _refuse(self, request: BaseRequest) -> web.StreamResponse:
-        """The handler of a connection opened beyond ``max_connections``."""
+        """The handler of a connection opened beyond ``max_connections``; probes and
+        scrapes (``UNCAPPED_PATHS``) are answered, then the connection closes."""
+        if request.path in UNCAPPED_PATHS:
+            response = await self._app_handler(request)
+            response.force_close()
+            return response
         limit = self._listener.limits.max_connections
         error = OverloadedConnections(f"the proxy holds its limit of {limit} open connections")
         return self._answer(error, request, parsed=True)

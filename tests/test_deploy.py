@@ -9,28 +9,49 @@ the paths it serves. Each test names one promise a deployer relies on.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import io
 import json
 import os
 import re
+import shlex
+import shutil
+import signal
+import subprocess
 import sys
 import tomllib
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import redirect_stderr
 from pathlib import Path, PurePosixPath
-from typing import Any, get_args
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
+import aiohttp
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
+from opentelemetry.sdk import environment_variables as otel_environment
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 from proxy import schema
 from proxy.cli import _parser
 from proxy.errors import Outcome, ProxyError
-from proxy.settings import DEFAULT_PORT, Config, ConfigError, dump_effective_config, parse_config
+from proxy.settings import (
+    DEFAULT_PORT,
+    DEFAULT_ROUTES,
+    ENV_NESTED_DELIMITER,
+    ENV_PREFIX,
+    Config,
+    ConfigError,
+    dump_effective_config,
+    hash_api_key,
+    parse_config,
+)
+from proxy.sim import SimConfig, start_sim
+from proxy.workers import WORKER_COUNT_ENV, WORKER_GROUP_ENV, workers_refusal
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config
 
@@ -85,6 +106,9 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), 
 #: Label values a query may match on, beyond the reason codes of ``proxy.errors``.
 EXTRA_REASONS = frozenset({"none", "upstream_status", "client_disconnected"})
 LAYERS = frozenset({"entrance", "queue", "connect", "first_byte", "idle", "total"})
+#: docs/REFERENCE.md, Lifecycle: after SIGTERM the process exits within
+#: ``shutdown_grace_ms`` plus this (the cut streams unwinding, exporters flushed).
+EXIT_MARGIN_S = 1.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -920,7 +944,7 @@ def test_kubernetes_proxy_container_matches_its_config(mode: str) -> None:
     for port in service["spec"]["ports"]:
         assert _port(proxy, port["targetPort"]) == config.server.port
 
-    drain_s = _sleep_s(proxy) + config.server.shutdown_grace_ms / 1000
+    drain_s = _sleep_s(proxy) + config.server.shutdown_grace_ms / 1000 + EXIT_MARGIN_S
     assert pod["terminationGracePeriodSeconds"] > drain_s
     assert pod["enableServiceLinks"] is False, "service links inject ADMISSION_* variables"
 
@@ -974,8 +998,8 @@ def test_kubernetes_sidecar_fronts_its_own_gpu_engine() -> None:
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in proxy["resources"].get("limits", {})
     assert vllm_port != config.server.port
-    drain_s = _sleep_s(proxy) + config.server.shutdown_grace_ms / 1000
-    assert _sleep_s(vllm) >= drain_s
+    drain_s = _sleep_s(proxy) + config.server.shutdown_grace_ms / 1000 + EXIT_MARGIN_S
+    assert _sleep_s(vllm) > drain_s, "vLLM must still answer while the proxy drains"
     assert pod["terminationGracePeriodSeconds"] > _sleep_s(vllm)
 
 
@@ -1032,3 +1056,755 @@ def test_autoscaling_examples_scale_the_sidecar_on_budget_pressure() -> None:
         assert scaling["scaleUp"]["stabilizationWindowSeconds"] == 0
         assert scaling["scaleDown"]["stabilizationWindowSeconds"] >= 300
     assert not (AUTOSCALING / "kustomization.yaml").exists()
+
+
+# --------------------------------------------------------------------------- what alerts count
+
+#: Reasons answered on the reserved paths only (``/admin/*``, ``/healthz``...), which are
+#: never counted in ``admission_requests_total``.
+RESERVED_ONLY_REASONS = frozenset({"not_found", "method_not_allowed", "no_previous_config"})
+#: 429 because the service's queues are full, not because of the tenant's own quota:
+#: counted as capacity (the alert and the dashboard agree on this).
+CAPACITY_429 = frozenset({"tenant_queue_full"})
+
+
+def _counted_reasons() -> dict[str, int]:
+    """Every reason ``admission_requests_total`` may carry for a refusal, with its status."""
+    return {
+        cls.reason: cls.status
+        for cls in _subclasses(ProxyError)
+        if "reason" in vars(cls) and cls.reason not in RESERVED_ONLY_REASONS
+    }
+
+
+def _reason_matcher(expr: str, op: str) -> set[str]:
+    """The reasons of the one ``reason`` matcher with ``op`` on admission_requests_total."""
+    found = [
+        set(value.split("|"))
+        for metric, matchers in _selectors(expr)[0]
+        if metric == "admission_requests_total"
+        for label, matcher_op, value in matchers
+        if label == "reason" and matcher_op == op
+    ]
+    assert len(found) == 1, f"expected one reason{op} matcher in {expr}"
+    return found[0]
+
+
+def test_rejection_alert_counts_every_capacity_refusal() -> None:
+    """AdmissionRejectionsRising counts every 503 the service sheds for capacity (Redis
+    refusing with state_unavailable and the connection cap included) and the full queue,
+    and nothing a tenant earned itself: a reason left out is an outage nobody is told of."""
+    reasons = _counted_reasons()
+    capacity = {r for r, status in reasons.items() if status == 503} - {"shutting_down"}
+    capacity |= CAPACITY_429
+    (rule,) = [r for r in _alert_rules() if r["alert"] == "AdmissionRejectionsRising"]
+    assert _reason_matcher(str(rule["expr"]), "=~") == capacity
+
+
+def test_goodput_ratio_leaves_out_what_tenants_earned_themselves() -> None:
+    """The goodput ratio (alert and dashboard alike) is over the requests the service took
+    on: every 4xx the proxy answers for the tenant's own doing (keys, quotas, caps, models,
+    routes, bodies) and clients that left are out of it. A tenant that spent its daily
+    token quota must not page anyone as an outage."""
+    own = {r for r, status in _counted_reasons().items() if 400 <= status < 500} - CAPACITY_429
+    expected = own | {"client_disconnected"}
+    (rule,) = [r for r in _alert_rules() if r["alert"] == "AdmissionGoodputFalling"]
+    ratios = [("alert AdmissionGoodputFalling", str(rule["expr"]))]
+    ratios += [
+        (where, expr)
+        for where, expr in _queries()
+        if where.startswith("panel") and "admission_goodput_total" in expr and "/" in expr
+    ]
+    assert len(ratios) == 2, ratios
+    for where, expr in ratios:
+        assert _reason_matcher(expr, "!~") == expected, where
+
+
+def _grouping(expr: str, metric: str) -> set[str]:
+    """The labels of the ``by (...)`` of the aggregation applied to ``metric``."""
+    match = re.search(r"\bby\s*\(([^)]*)\)\s*\(\s*" + re.escape(metric) + r"\b", expr)
+    assert match is not None, f"{metric} is not aggregated by labels in {expr}"
+    return {label.strip() for label in match[1].split(",")}
+
+
+def test_alerts_on_process_local_queues_stay_per_instance() -> None:
+    """Queues and their queue_capacity are each process's own (Redis shares limits, not
+    queues): a depth threshold holds per instance. Summed over the gateway's pods, two
+    half-empty queues fired the 'near capacity' alert."""
+    for rule in _alert_rules():
+        expr = str(rule["expr"])
+        if "admission_queue_depth" in {m for m, _ in _selectors(expr)[0]}:
+            assert "instance" in _grouping(expr, "admission_queue_depth"), rule["alert"]
+
+
+def test_replica_limit_panel_tells_shared_seats_from_separate_engines() -> None:
+    """Every proxy that shares seats in Redis reports the replica's whole limit: summed over
+    the gateway's pods (or compose's two proxies) the limit read double. Sidecar pods each
+    front their own engine under the same name, whose limits do add up. The panel tells
+    the two apart by ``admission_instances`` (promtool checks the arithmetic below)."""
+    using = [(w, e) for w, e in _queries() if "admission_replica_limit" in e]
+    assert using
+    for where, expr in using:
+        metrics = {m for m, _ in _selectors(expr)[0]}
+        assert "admission_instances" in metrics, f"{where}: limit summed over shared instances"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["AdmissionSharedStateDown", "AdmissionConfigReloadInvalid", "AdmissionNoHealthyReplica"],
+)
+def test_alerts_the_deployment_guide_promises_exist(name: str) -> None:
+    """docs/DEPLOYMENT.md's alert table is alerts.yml, name for name, and the signals it
+    tells operators to alert on (shared state down, an invalid config) have a rule."""
+    rules = {r["alert"]: r for r in _alert_rules()}
+    assert name in rules
+    guide = (ROOT / "docs" / "DEPLOYMENT.md").read_text(encoding="utf-8")
+    section = guide[guide.index("## What to watch") :]
+    section = section[: section.index("\n## ", 1)]
+    table = set(re.findall(r"^\| `(Admission\w+)` \|", section, re.MULTILINE))
+    assert table == set(rules)
+
+
+# --------------------------------------------------------------------------- promtool
+
+PROMETHEUS = DEPLOY / "prometheus"
+
+
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.skip("promtool not installed (scripts/test installs Debian's prometheus as root)")
+    return found
+
+
+def _run_promtool(*args: str) -> str:
+    result = subprocess.run(
+        [_promtool(), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return output
+
+
+def test_prometheus_config_and_rules_pass_promtool() -> None:
+    """prometheus.yml and alerts.yml load as Prometheus loads them, and every alert fires
+    (and stays quiet) on the situations of alerts_test.yml."""
+    _run_promtool("check", "config", str(PROMETHEUS / "prometheus.yml"))
+    _run_promtool("check", "rules", str(PROMETHEUS / "alerts.yml"))
+    tested = yaml.safe_load((PROMETHEUS / "alerts_test.yml").read_text(encoding="utf-8"))
+    assert tested["rule_files"] == ["alerts.yml"]
+    covered = {
+        case["alertname"] for test in tested["tests"] for case in test.get("alert_rule_test", [])
+    }
+    assert covered == {r["alert"] for r in _alert_rules()}, "every alert has a unit test"
+    _run_promtool("test", "rules", str(PROMETHEUS / "alerts_test.yml"))
+
+
+def _instant(expr: str) -> str:
+    """A dashboard query as Prometheus gets it once Grafana filled its variables."""
+    return expr.replace("$__rate_interval", "1m").replace('"$tenant"', '".*"')
+
+
+def _series(metric: str, instance: str, value: float, **labels: str) -> dict[str, str]:
+    text = ",".join(f'{k}="{v}"' for k, v in {"instance": instance, **labels}.items())
+    return {"series": f"{metric}{{{text}}}", "values": f"{value}x5"}
+
+
+def test_every_query_parses_and_replica_limits_add_up(tmp_path: Path) -> None:
+    """Every dashboard query (variables filled), alert and scaling query parses in
+    Prometheus; the replica-limit query counts a gateway's shared limit once and sidecar
+    pods' separate engines each."""
+    expressions = [_instant(expr) for _, expr in _queries()]
+    keda = _load(AUTOSCALING / "keda-scaledobject.yaml")
+    expressions += [t["metadata"]["query"] for t in keda["spec"]["triggers"]]
+    parse_only = [{"expr": expr, "eval_time": "1m", "exp_samples": []} for expr in expressions]
+    (limit_query,) = {
+        _instant(t["expr"])
+        for p in _panels(_dashboard()["panels"])
+        for t in p.get("targets", [])
+        if "admission_replica_limit" in t["expr"]
+    }
+    limit, replica = "admission_replica_limit", "admission_instances"
+    gateway = [_series(limit, f"gw-{i}", 16, replica="vllm-0") for i in "ab"]
+    gateway += [_series(replica, f"gw-{i}", 2) for i in "ab"]
+    sidecar = [_series(limit, f"sc-{i}", 16, replica="vllm") for i in "abc"]
+    sidecar += [_series(replica, f"sc-{i}", 1) for i in "abc"]
+    expected = [
+        {"labels": '{replica="vllm-0"}', "value": 16},
+        {"labels": '{replica="vllm"}', "value": 48},
+    ]
+    (tmp_path / "none.yml").write_text("groups: []\n", encoding="utf-8")
+    tests = {
+        "rule_files": ["none.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {"interval": "1m", "input_series": [], "promql_expr_test": parse_only},
+            {
+                "interval": "1m",
+                "input_series": gateway + sidecar,
+                "promql_expr_test": [
+                    {"expr": limit_query, "eval_time": "2m", "exp_samples": expected}
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "queries_test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False), encoding="utf-8")
+    _run_promtool("test", "rules", str(path))
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X | None`` and ``Annotated[X, ...]`` -> X."""
+    while True:
+        origin = get_origin(annotation)
+        if origin is Annotated:
+            annotation = get_args(annotation)[0]
+        elif origin in (Union, UnionType):
+            options = [a for a in get_args(annotation) if a is not type(None)]
+            if len(options) != 1:
+                return annotation
+            annotation = options[0]
+        else:
+            return annotation
+
+
+def _settings_read(name: str) -> bool:
+    """Whether pydantic-settings maps ``name`` onto a key of the config (prefix
+    ``ADMISSION_``, ``__`` between levels, any case): a typo is silently ignored."""
+    if not name.upper().startswith(ENV_PREFIX):
+        return False
+    parts = name[len(ENV_PREFIX) :].lower().split(ENV_NESTED_DELIMITER)
+    current: Any = Config
+    for index, part in enumerate(parts):
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(part)
+            if field is None:
+                return False
+            current = _unwrap(field.annotation)
+        elif get_origin(current) is dict and part:
+            current = _unwrap(get_args(current)[1])
+        else:
+            return False
+        if index == len(parts) - 1:
+            return True
+    return False
+
+
+#: Variables the OpenTelemetry SDK reads (``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_*``...).
+OTEL_VARIABLES = frozenset(
+    value
+    for name, value in vars(otel_environment).items()
+    if name.startswith("OTEL_") and isinstance(value, str)
+)
+#: Read by the NVIDIA container toolkit, for NVML in a container that holds no GPU.
+NVIDIA_VARIABLES = frozenset({"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"})
+#: Set by ``serve --workers N`` for its workers, read by them (workers.py).
+WORKER_VARIABLES = frozenset({WORKER_GROUP_ENV, WORKER_COUNT_ENV})
+
+
+def _read_by_the_proxy(name: str, config: Config) -> bool:
+    """Whether a proxy running ``config`` reads the variable ``name``."""
+    named = {config.admin.token_env} | {r.api_key_env for r in config.replicas if r.api_key_env}
+    if any(r.gpu_index is not None for r in config.replicas):
+        named |= NVIDIA_VARIABLES
+    return name in named or name in OTEL_VARIABLES or _settings_read(name)
+
+
+def test_env_names_the_settings_read() -> None:
+    """The checker itself: real overrides in, typos and service-link names out."""
+    for name in ("ADMISSION_SERVER__PORT", "ADMISSION_REPLICAS", "admission_state__redis_url",
+                 "ADMISSION_TENANTS__ACME__WEIGHT", "ADMISSION_PRIORITIES__BATCH__WEIGHT",
+                 "ADMISSION_ROUTING__POLICY", "ADMISSION_MODE"):  # fmt: skip
+        assert _settings_read(name), name
+    for name in ("ADMISSION_STATE_BACKEND", "ADMISSION_SERVER__PROT", "ADMISSION_PROXY_PORT",
+                 "ADMISSION_REPLICAS__0__URL", "ADMISSION_SERVER__PORT__X", "ADMISSION_TENANTS__",
+                 "OTHER_SERVER__PORT", "ADMISSION_ADMIN_TOKEN"):  # fmt: skip
+        assert not _settings_read(name), name
+
+
+def _proxy_environments() -> Iterator[tuple[str, list[str], Config]]:
+    """(where, variable names, the config it runs) for every proxy container we ship."""
+    compose = _compose()
+    for name in _proxy_services(compose):
+        service = compose["services"][name]
+        env = {k: str(v) for k, v in service["environment"].items()}
+        config = _config_from(_host_path(service, _cli(service["command"]).config), env)
+        yield f"compose {name}", list(env), config
+    for mode in ("gateway", "sidecar"):
+        objects, generated, _ = _kustomize(mode)
+        pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+        proxy = _container(pod, "admission-proxy")
+        (config_file,) = [generated[v["configMap"]["name"]] for v in pod["volumes"]
+                          if "configMap" in v]  # fmt: skip
+        yield f"kubernetes {mode}", [e["name"] for e in proxy["env"]], _config_from(config_file)
+
+
+def test_every_variable_given_to_the_proxy_is_one_it_reads() -> None:
+    """Each variable compose and the manifests give the proxy is an ``ADMISSION_*``
+    override that reaches a config key, the admin token or an engine key the config
+    names, a standard OTEL_* one or the NVIDIA toolkit's for NVML: a misspelt override
+    (ADMISSION_STATE_BACKEND) would be ignored without a word."""
+    seen = 0
+    for where, names, config in _proxy_environments():
+        for name in names:
+            seen += 1
+            assert _read_by_the_proxy(name, config), f"{where}: nothing reads {name}"
+    assert seen
+
+
+#: ``ADMISSION_...`` written out in full (not ``ADMISSION_*`` or ``ADMISSION_<SECTION>``).
+_ADMISSION_NAME = re.compile(r"\bADMISSION_[A-Za-z0-9_]*[A-Za-z0-9](?![\w*<])")
+
+
+def test_every_variable_the_deployment_files_name_exists() -> None:
+    """Every ``ADMISSION_*`` variable named in the Dockerfile (its HEALTHCHECK reads one),
+    compose, deploy/ and docs/DEPLOYMENT.md is one the proxy reads."""
+    default = make_config(["http://127.0.0.1:9"])
+    files = [ROOT / "Dockerfile", ROOT / "docker-compose.yml", ROOT / "docs" / "DEPLOYMENT.md"]
+    files += [p for p in DEPLOY.rglob("*") if p.is_file()]
+    found = 0
+    for path in files:
+        for name in _ADMISSION_NAME.findall(path.read_text(encoding="utf-8")):
+            found += 1
+            known = _read_by_the_proxy(name, default) or name in WORKER_VARIABLES
+            assert known, f"{_rel(path)}: nothing reads {name}"
+    assert found
+
+
+# --------------------------------------------------------------------------- probes, live
+
+
+def _probe_budget_s(probe: dict[str, Any]) -> int:
+    """How long the kubelet lets a probe fail before it acts (restart, or no traffic)."""
+    delay = int(probe.get("initialDelaySeconds", 0))
+    return delay + int(probe.get("periodSeconds", 10)) * int(probe.get("failureThreshold", 3))
+
+
+async def _get_status(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with session.get(url) as response:
+        return response.status, await response.json()
+
+
+async def _until_status(
+    session: aiohttp.ClientSession, url: str, status: int, within_s: float
+) -> Any:
+    """Poll ``url`` until it answers ``status``; its JSON body then."""
+    async with asyncio.timeout(within_s):
+        while True:
+            got, body = await _get_status(session, url)
+            if got == status:
+                return body
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "gateway"])
+async def test_kubernetes_probes_answer_as_the_manifest_expects(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
+    """The proxy container's own command on its ConfigMap file, as a real process: liveness
+    answers 200 within the liveness probe's budget while the engine still loads (a restart
+    would not help), readiness is 503 naming the starting replicas until the engine
+    answers, then 200; on SIGTERM readiness turns 503 while liveness stays 200 (the drain
+    is not a death), and the process exits before the pod's grace period ends. Only the
+    listen address (a loopback port the OS picks) and the engine URLs differ; the gateway
+    gets a real Redis at its redis_url."""
+    objects, generated, _ = _kustomize(mode)
+    pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    proxy = _container(pod, "admission-proxy")
+    args = _cli(proxy["args"])
+    (config_file,) = [generated[v["configMap"]["name"]] for v in pod["volumes"]
+                      if "configMap" in v]  # fmt: skip
+    assert PurePosixPath(args.config).parent == PurePosixPath(CONFIG_DIR)
+    ready_path = proxy["readinessProbe"]["httpGet"]["path"]
+    live_path = proxy["livenessProbe"]["httpGet"]["path"]
+    live_budget_s = _probe_budget_s(proxy["livenessProbe"])
+    stop_budget_s = pod["terminationGracePeriodSeconds"] - _sleep_s(proxy)
+
+    engine = await start_sim(SimConfig(seed=0))
+    await engine.refuse_for(None)  # the engine is still loading its model
+    document = _load(config_file)
+    replicas = [{**r, "url": engine.url, "metrics_url": None} for r in document["replicas"]]
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+    env["ADMISSION_REPLICAS"] = json.dumps(replicas)
+    if document.get("state", {}).get("backend") == "redis":
+        env["ADMISSION_STATE__REDIS_URL"] = request.getfixturevalue("redis_server").url
+    argv = [*proxy["args"]]
+    argv[argv.index(args.config)] = str(config_file)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *argv, "--host", "127.0.0.1", "--port", "0",
+        stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(live_budget_s):
+            while not any(e.get("event") == "listening" for e in events):
+                line = await process.stdout.readline()
+                assert line, f"the proxy exited before listening: {events}"
+                events.append(json.loads(line))
+        port = next(e["port"] for e in events if e.get("event") == "listening")
+        drain = asyncio.ensure_future(_read_events(process, events))
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            assert (await _get_status(session, base + live_path))[0] == 200
+            status, body = await _get_status(session, base + ready_path)
+            assert status == 503
+            assert body["starting"] == [r["name"] for r in replicas]
+
+            await engine.accept()  # loaded: the proxy probes, warms up and takes traffic
+            await _until_status(session, base + ready_path, 200, within_s=30)
+            assert (await _get_status(session, base + live_path))[0] == 200
+
+            # A stream in flight holds the drain open until its client leaves.
+            stream = await session.post(
+                base + "/v1/chat/completions",
+                json={"model": "sim-model", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 60_000, "stream": True},
+                headers={"Authorization": f"Bearer {_example_key(config_file)}"},
+            )  # fmt: skip
+            assert stream.status == 200, await stream.text()
+            await stream.content.readline()  # tokens are flowing
+            process.send_signal(signal.SIGTERM)
+            body = await _until_status(session, base + ready_path, 503, within_s=5)
+            assert body["shutting_down"] is True
+            assert (await _get_status(session, base + live_path))[0] == 200
+            stream.close()
+        async with asyncio.timeout(stop_budget_s):
+            assert await process.wait() == 0
+        await drain
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await engine.close()
+
+
+def _example_key(config_file: Path) -> str:
+    """The example key a config's comment hashes (``printf '%s' 'KEY' | sha256sum``), checked
+    against the ``sha256:`` entries it stands for."""
+    match = re.search(r"printf '%s' '([^']+)' \| sha256sum", config_file.read_text("utf-8"))
+    assert match is not None, f"{_rel(config_file)} names no example key"
+    config = _config_from(config_file)
+    stored = {entry for tenant in config.tenants.values() for entry in tenant.api_keys}
+    assert f"sha256:{hash_api_key(match[1])}" in stored, match[1]
+    return match[1]
+
+
+async def _read_events(process: asyncio.subprocess.Process, events: list[dict[str, Any]]) -> None:
+    """Keep the process's log pipe drained (its JSON lines) until it closes."""
+    assert process.stdout is not None
+    while line := await process.stdout.readline():
+        events.append(json.loads(line))
+
+
+# --------------------------------------------------------------------------- processes and CPU
+
+
+def _cores(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity (``500m``, ``2``) in cores."""
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_kubernetes_cpu_request_fits_the_proxy_processes(mode: str) -> None:
+    """One proxy process uses at most one core; ``serve --workers N`` uses N (and needs
+    Redis for N > 1). The CPU a pod requests for the proxy is no more than its processes
+    can use: ``cpu: 4`` without ``--workers 4`` reserves three idle cores."""
+    objects, generated, _ = _kustomize(mode)
+    pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    proxy = _container(pod, "admission-proxy")
+    args = _cli(proxy["args"])
+    (config_file,) = [generated[v["configMap"]["name"]] for v in pod["volumes"]
+                      if "configMap" in v]  # fmt: skip
+    assert workers_refusal(_config_from(config_file), args.workers) is None
+    assert 0 < _cores(proxy["resources"]["requests"]["cpu"]) <= args.workers
+
+
+def test_compose_healthcheck_probes_the_port_the_proxy_serves() -> None:
+    """The image's HEALTHCHECK probes ``$ADMISSION_SERVER__PORT`` (else the default port):
+    in every compose proxy that is the port its config serves, or the proxy stays
+    unhealthy and what waits for it (traffic) never starts."""
+    compose = _compose()
+    for name in _proxy_services(compose):
+        service = compose["services"][name]
+        env = {k: str(v) for k, v in service["environment"].items()}
+        config = _config_from(_host_path(service, _cli(service["command"]).config), env)
+        probed = int(env.get("ADMISSION_SERVER__PORT", DEFAULT_PORT))
+        assert probed == config.server.port, name
+    waiting = compose["services"]["traffic"]["depends_on"]
+    assert waiting["proxy"]["condition"] == "service_healthy"
+
+
+#: A repository path in prose or a comment: ``deploy/...``, ``config/...``, ``docs/...``.
+_REPO_PATH = re.compile(r"(?<![\w/.-])((?:deploy|config|docs|scripts|bench)/[\w./-]*\w)")
+
+
+def test_every_repository_path_the_deployment_files_name_exists() -> None:
+    """Paths docs/DEPLOYMENT.md, the Dockerfile, compose and deploy/ send a reader to
+    (``kubectl apply -k deploy/kubernetes/gateway``, ``deploy/prometheus/alerts.yml``) exist."""
+    files = [ROOT / "Dockerfile", ROOT / "docker-compose.yml", ROOT / "docs" / "DEPLOYMENT.md"]
+    files += [p for p in DEPLOY.rglob("*") if p.is_file()]
+    named = 0
+    for path in files:
+        for found in _REPO_PATH.findall(path.read_text(encoding="utf-8")):
+            named += 1
+            assert (ROOT / found).exists(), f"{_rel(path)} names {found}, which does not exist"
+    assert named
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_kustomize_builds_what_kubectl_applies(mode: str) -> None:
+    """``kubectl kustomize`` (what ``kubectl apply -k`` applies) builds each directory, with
+    the config file as the ConfigMap's ``config.yaml`` and the image as kustomization names."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed")
+    directory = DEPLOY / "kubernetes" / mode
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    objects, generated, kustomization = _kustomize(mode)
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in built) == sorted(
+        [(o["kind"], o["metadata"]["name"]) for o in objects]
+        + [("ConfigMap", name) for name in generated]
+    )
+    for name, path in generated.items():
+        (config_map,) = [o for o in built if o["kind"] == "ConfigMap"]
+        assert config_map["metadata"]["name"] == name
+        assert config_map["data"] == {path.name: path.read_text(encoding="utf-8")}
+    (image,) = kustomization["images"]
+    pod = _one(built, "Deployment")["spec"]["template"]["spec"]
+    assert _container(pod, "admission-proxy")["image"] == f"{image['newName']}:{image['newTag']}"
+
+
+async def _raw_get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    """One GET on a new connection (as the kubelet and Prometheus open one per probe)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: probe\r\n\r\n".encode())
+        await writer.drain()
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in head[1:] if line)
+        body = await reader.readexactly(int(headers["Content-Length"]))
+        return int(head[0].split()[1]), headers, body
+    finally:
+        writer.close()
+
+
+async def test_probes_and_scrapes_answer_at_the_connection_cap(tmp_path: Path) -> None:
+    """At ``server.max_connections`` a new client connection is answered 503
+    overloaded_connections, but the kubelet's probes and Prometheus' scrape still get their
+    answers (liveness 200: a restart would drop every connection; readiness by its
+    replicas; metrics while the overload is on), each closing its connection after."""
+    path = tmp_path / "proxy.yaml"
+    document = {
+        "server": {"max_connections": 2, "header_ms": 60_000},
+        "replicas": [{"name": "r0", "url": "http://127.0.0.1:9", "max_concurrency": 1}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+    }
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(path),
+        "--host", "127.0.0.1", "--port", "0", stdout=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    held: list[asyncio.StreamWriter] = []
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(20):
+            while not any(e.get("event") == "listening" for e in events):
+                line = await process.stdout.readline()
+                assert line, f"the proxy exited before listening: {events}"
+                events.append(json.loads(line))
+        port = next(e["port"] for e in events if e.get("event") == "listening")
+        drain = asyncio.ensure_future(_read_events(process, events))
+        for _ in range(2):
+            held.append((await asyncio.open_connection("127.0.0.1", port))[1])
+        status, headers, _ = await _raw_get(port, "/v1/models")
+        assert (status, headers["X-Admission-Reason"]) == (503, "overloaded_connections")
+
+        status, headers, body = await _raw_get(port, "/healthz")
+        assert status == 200 and headers["Connection"] == "close"
+        status, headers, body = await _raw_get(port, "/readyz")
+        assert status == 503 and "X-Admission-Reason" not in headers
+        assert json.loads(body)["ready"] is False  # no replica: not the connection cap
+        status, headers, body = await _raw_get(port, "/metrics")
+        assert status == 200 and b"admission_requests_total" in body
+        assert b'reason="overloaded_connections"' in body
+        status, headers, _ = await _raw_get(port, "/admin/state")
+        assert (status, headers["X-Admission-Reason"]) == (503, "overloaded_connections")
+    finally:
+        for writer in held:
+            writer.close()
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(20):
+                await process.wait()
+    await drain
+
+
+def test_one_pod_monitor_selector_finds_every_proxy_pod() -> None:
+    """Gateway and sidecar pods (each with a proxy) carry the label the scrape comments
+    and docs/DEPLOYMENT.md tell a PodMonitor to select, on the port named ``http``; the
+    gateway's Redis does not (it has no /metrics)."""
+    key, value = "app.kubernetes.io/part-of", "admission-proxy"
+    for mode in ("gateway", "sidecar"):
+        objects, _, _ = _kustomize(mode)
+        for kind in ("Deployment", "StatefulSet"):
+            for workload in [o for o in objects if o["kind"] == kind]:
+                template = workload["spec"]["template"]
+                names = {c["name"] for c in template["spec"]["containers"]}
+                labelled = template["metadata"]["labels"].get(key) == value
+                assert labelled == ("admission-proxy" in names), workload["metadata"]["name"]
+                if labelled:
+                    proxy = _container(template["spec"], "admission-proxy")
+                    assert "http" in {p["name"] for p in proxy["ports"]}
+    selector = f"{key}={value}"
+    assert selector in (DEPLOY / "prometheus" / "prometheus.yml").read_text(encoding="utf-8")
+    guide = (ROOT / "docs" / "DEPLOYMENT.md").read_text(encoding="utf-8")
+    assert f"`{key}: {value}`" in guide
+
+
+@pytest.mark.parametrize("mode", ["gateway", "sidecar"])
+def test_containers_of_other_images_can_run_as_the_pods_uid(mode: str) -> None:
+    """A container of another image (vLLM) run under the pod's numeric uid has no passwd
+    entry for it: ``getpass.getuser()`` (torch's compile cache) raises unless ``USER`` is
+    set, and the home directory is not its own unless ``HOME`` is. Our image defines its
+    uid (the Dockerfile's USER), so the proxy needs neither."""
+    objects, _, kustomization = _kustomize(mode)
+    ours = {image["name"] for image in kustomization["images"]}
+    for kind in ("Deployment", "StatefulSet"):
+        for workload in [o for o in objects if o["kind"] == kind]:
+            pod = workload["spec"]["template"]["spec"]
+            for container in pod["containers"]:
+                if container["image"] in ours:
+                    user = _final("USER")[-1].split(":")[0]
+                    assert str(pod["securityContext"]["runAsUser"]) == user
+                    continue
+                uid = container.get("securityContext", {}).get("runAsUser")
+                uid = uid or pod.get("securityContext", {}).get("runAsUser")
+                if uid is None or container["image"].startswith("redis:"):
+                    continue  # the image's own user; redis' uid 999 is in its passwd
+                env = {e["name"] for e in container.get("env", [])}
+                assert {"HOME", "USER"} <= env, container["name"]
+
+
+# --------------------------------------------------------------------------- the guide
+
+GUIDE = ROOT / "docs" / "DEPLOYMENT.md"
+
+
+def _guide_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", GUIDE.read_text(encoding="utf-8"), re.DOTALL)
+
+
+def test_every_config_snippet_in_the_guide_is_valid() -> None:
+    """Each YAML snippet of docs/DEPLOYMENT.md, completed with a minimal replica and tenant
+    where it has none, passes the config schema (key names, types, enum values); the
+    ``routes`` snippet is the default list itself."""
+    validator = jsonschema.Draft202012Validator(json.loads(schema.render()))
+    minimal = {
+        "replicas": [{"name": "r0", "url": "http://127.0.0.1:9", "max_concurrency": 1}],
+        "tenants": {"a": {"api_keys": ["k"]}},
+    }
+    blocks = _guide_blocks("yaml")
+    assert blocks
+    for block in blocks:
+        snippet = yaml.safe_load(block)
+        errors = [
+            f"{list(e.absolute_path)}: {e.message}"
+            for e in validator.iter_errors({**minimal, **snippet})
+        ]
+        assert errors == [], block
+    (routes,) = [yaml.safe_load(b)["routes"] for b in blocks if "routes:" in b.split("\n")[0]]
+    assert tuple(routes) == DEFAULT_ROUTES
+
+
+#: An ``admission-proxy ...`` command in backticks (wrapped lines joined).
+_COMMAND = re.compile(r"`(admission-proxy [^`]+)`")
+#: The guide's placeholders, as a reader fills them in.
+PLACEHOLDERS = {"PATH": "config.yaml", "N": "2"}
+
+
+def _guide_commands() -> list[list[str]]:
+    text = re.sub(r"\s*\n\s*", " ", GUIDE.read_text(encoding="utf-8"))
+    commands = [shlex.split(c)[1:] for c in _COMMAND.findall(text)]
+    for block in _guide_blocks("sh"):
+        for line in block.splitlines():
+            if not line.startswith("docker run "):
+                continue
+            words = shlex.split(line, comments=True)
+            commands.append(words[words.index("admission-proxy") + 1 :])
+    return [[PLACEHOLDERS.get(w, w) for w in command] for command in commands]
+
+
+def test_every_command_the_guide_gives_is_the_cli() -> None:
+    """Each ``admission-proxy`` command in docs/DEPLOYMENT.md (and each ``docker run`` of
+    the image with arguments) parses with the real CLI; a ``loadtest`` named in prose gets
+    the one flag it needs (``--url``) from the reader."""
+    commands = [c for c in _guide_commands() if c]
+    assert len(commands) >= 4
+    for command in commands:
+        if command[0] == "loadtest" and "--url" not in command:
+            command = [*command, "--url", "http://127.0.0.1:8080"]
+        _cli(command)
+    lines = [line for block in _guide_blocks("sh") for line in block.splitlines()]
+    schema_runs = [
+        shlex.split(line, comments=True)[3:]
+        for line in lines
+        if line.startswith("python -m proxy.schema")
+    ]
+    assert sorted(schema_runs) == [["--check"], ["--write"]]
+    assert schema.main(["--check"]) == 0  # the committed schema is what --write writes
+
+
+def test_the_guides_kubectl_targets_are_the_manifests_objects() -> None:
+    """``deployment/NAME`` and ``kubectl apply -k DIR`` in the guide name Deployments and
+    kustomizations that exist."""
+    text = re.sub(r"\s*\n\s*", " ", GUIDE.read_text(encoding="utf-8"))
+    deployments = {
+        o["metadata"]["name"]
+        for mode in ("gateway", "sidecar")
+        for o in _kustomize(mode)[0]
+        if o["kind"] == "Deployment"
+    }
+    named = re.findall(r"`?deployment/([\w-]+)`", text)
+    assert named and set(named) <= deployments
+    applied = re.findall(r"kubectl apply -k (deploy/[\w/.-]*\w)", text)
+    assert applied
+    for directory in applied:
+        assert (ROOT / directory / "kustomization.yaml").is_file(), directory
+
+
+def test_the_guide_names_every_override_compose_gives_the_proxy() -> None:
+    """docs/DEPLOYMENT.md says which keys compose overrides from the environment: exactly
+    the ``ADMISSION_*`` variables the compose proxies get."""
+    guide = GUIDE.read_text(encoding="utf-8")
+    section = guide[guide.index("## The whole stack on one machine") :]
+    section = section[: section.index("\n## ", 1)]
+    named = set(_ADMISSION_NAME.findall(section))
+    compose = _compose()
+    for name in _proxy_services(compose):
+        given = {k for k in compose["services"][name]["environment"] if k.startswith(ENV_PREFIX)}
+        assert given == named, name
+
+
+def test_containers_listen_beyond_their_own_loopback() -> None:
+    """The config baked into the image and each Kubernetes ConfigMap listen on every
+    interface at the port the container exposes: on loopback, no probe, Service or
+    published port could reach the proxy. (Compose overrides demo.yaml's loopback host.)"""
+    baked = _config_from(ROOT / "config" / "example.yaml")
+    assert baked.server.host in ("0.0.0.0", "::")
+    assert [str(baked.server.port)] == _final("EXPOSE")
+    for mode in ("gateway", "sidecar"):
+        _, generated, _ = _kustomize(mode)
+        for config_file in generated.values():
+            assert _config_from(config_file).server.host in ("0.0.0.0", "::"), mode
