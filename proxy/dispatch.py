@@ -35,7 +35,7 @@ again after the Redis call (``_serves``): the fleet may have changed meanwhile.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 from proxy import admission
 from proxy.admission import TenantLimits
@@ -167,6 +167,18 @@ class Dispatcher:
 
     def queued(self) -> int:
         return len(self.scheduler)
+
+    def keep_tenants(self, keep: Container[str], fold_into: str) -> None:
+        """Forget the since-start figures of tenants not in ``keep`` (a reload removed
+        them and nothing of theirs runs), folded into ``fold_into``'s: the label their
+        series count under once forgotten, so the metrics read the same. Kept, each
+        tenant a reload ever removed stayed here for the process's life."""
+        for tenant in [t for t in self._high_water if t not in keep and t != fold_into]:
+            high = self._high_water.pop(tenant)
+            self._high_water[fold_into] = max(high, self._high_water.get(fold_into, 0))
+        for tenant in [t for t in self._headroom_grants if t not in keep and t != fold_into]:
+            grants = self._headroom_grants.pop(tenant)
+            self._headroom_grants[fold_into] = self._headroom_grants.get(fold_into, 0) + grants
 
     @property
     def headroom_grants(self) -> int:

@@ -30,6 +30,7 @@ from proxy.settings import BudgetsConfig, Config
 from proxy.state.quota import LocalTokenQuotas, WallClock
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import GpuSampler
+from proxy.telemetry.metrics import OTHER_TENANTS
 from proxy.token_quota import TokenQuotas
 from proxy.upstream import upstream_timeout
 
@@ -172,6 +173,10 @@ class Runtime:
             rules.config.tenants, rules.config.telemetry.max_tenant_labels, busy
         )
         self.telemetry.forget_tenants(forgotten)
+        keep = set(rules.config.tenants) | busy
+        self.dispatcher.keep_tenants(keep, fold_into=OTHER_TENANTS)
+        self.output_tokens.keep_tenants(keep)
+        self.token_quotas.keep_tenants(keep)
         self.telemetry.model_labels.max_labels = rules.config.telemetry.max_tenant_labels
         self.gpu.set_interval(rules.config.gpu.sample_ms / 1000.0)
         retry = rules.config.retry
