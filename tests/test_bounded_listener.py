@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from proxy.app import build_app
+from proxy.lifecycle import bound_port
 from proxy.listener import Listener, ProxyRunner
 from proxy.runtime import RUNTIME, Runtime
 from proxy.sim import SimConfig, SimServer, start_sim
@@ -84,9 +85,8 @@ async def listening(sim: SimServer) -> AsyncIterator[tuple[Runtime, Listener, in
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        server = site._server
-        assert server is not None and server.sockets
-        port = server.sockets[0].getsockname()[1]
+        port = bound_port(site)
+        assert port is not None
         runtime = app[RUNTIME]
         await wait_for(lambda: any(r.serving for r in runtime.pool.replicas))
         assert isinstance(runner.server, Listener)
@@ -109,17 +109,17 @@ async def test_connections_ending_every_way_are_all_counted_out(
         return await asyncio.open_connection("127.0.0.1", port)
 
     async def nothing(_: int) -> None:
-        _, writer = await connect()
+        writer = (await connect())[1]
         writer.close()
 
     async def reset_mid_head(_: int) -> None:
-        _, writer = await connect()
+        writer = (await connect())[1]
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: pro")
         await writer.drain()
         _reset(writer)
 
     async def cut_mid_body(_: int) -> None:
-        reader, writer = await connect()
+        writer = (await connect())[1]
         writer.write(_request(CHAT, length=10_000))  # promises more than it sends
         await writer.drain()
         writer.close()
@@ -173,11 +173,13 @@ async def test_connections_ending_every_way_are_all_counted_out(
         writer.close()
 
     await wait_for(
-        lambda: listener.open == 0
-        and not runtime.active
-        and runtime.pool.total_inflight() == 0
-        and sim.state.in_flight == 0
-        and not stray_tasks(before),
+        lambda: (
+            listener.open == 0
+            and not runtime.active
+            and runtime.pool.total_inflight() == 0
+            and sim.state.in_flight == 0
+            and not stray_tasks(before)
+        ),
         timeout_s=SETTLE_S,
     )
     assert repr(listener) == f"<Listener 0 open, at most {MAX_CONNECTIONS}>"
