@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.runtime import Runtime
 from proxy.sim import SimConfig, SimServer, start_sim
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for
@@ -100,6 +101,18 @@ async def settled(proxy: ProxyUnderTest, sims: list[SimServer], before: set[Any]
         timeout_s=SETTLE_S,
     )
     proxy.assert_idle()
+    assert_no_request_state(runtime)
+
+
+def assert_no_request_state(runtime: Runtime) -> None:
+    """Nothing kept per request once none runs: the dispatcher's running requests (for
+    seat times), the affinity ledger's placements, observe mode's overflow, the seat
+    calls in flight (private maps, read here because no figure shows them)."""
+    dispatcher = runtime.dispatcher
+    assert not dispatcher.waits._running and not dispatcher.waits._pool_of
+    assert not dispatcher.seats.affinity.ledger._placed
+    assert not len(dispatcher._overflow) and not dispatcher._asking
+    assert not len(dispatcher._reseating)
 
 
 def series(metrics: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:

@@ -22,7 +22,7 @@ from proxy.state.shared import SharedState
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, KEY_B, make_config, wait_for
 from tests.redis_server import RedisServer
-from tests.test_bounded_clients import stray_tasks, upstream_connections
+from tests.test_bounded_clients import assert_no_request_state, stray_tasks, upstream_connections
 
 pytestmark = pytest.mark.redis
 
@@ -81,6 +81,7 @@ async def settled(
         ):
             await asyncio.sleep(0.01)
     proxy.assert_idle()
+    assert_no_request_state(runtime)
 
 
 async def test_clients_that_leave_give_every_shared_place_back(
