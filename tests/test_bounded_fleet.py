@@ -114,3 +114,38 @@ async def test_reload_churn_of_replicas_leaves_no_per_replica_state(start_proxy:
     finally:
         for sim in sims:
             await sim.close()
+
+
+async def test_reloads_that_rotate_static_models_leave_no_pool_state(
+    aiohttp_server: ServerFactory, start_proxy: Start
+) -> None:
+    """Sixty reloads, each listing a new model on r0 (static ``models``) that then serves
+    one request: the dispatcher keeps pools for the models of now only, and the model
+    labels stay within ``telemetry.max_tenant_labels`` (the names of models no longer
+    served are freed for new ones, their series dropped)."""
+    url0, _ = await start_replica(aiohttp_server, ["base"])
+    url1, _ = await start_replica(aiohttp_server, ["other"])
+
+    def config(model: str) -> Config:
+        return pooled_config(
+            [url0, url1], [["base", model], ["other"]], health=QUIET_HEALTH,
+            telemetry={"max_tenant_labels": 4},
+        )  # fmt: skip
+
+    proxy = await start_proxy(config("static-0"))
+    runtime = proxy.runtime
+    for i in range(60):
+        name = f"static-{i}"
+        apply_config(runtime, config(name))
+        resp = await proxy.client.post(
+            COMPLETIONS, json={"model": name, "prompt": "x"}, headers=AUTH_A
+        )
+        assert resp.status == 200, await resp.text()
+    served = runtime.models.served_models()
+    assert served == {"base", "other", "static-59"}
+    assert runtime.dispatcher.pool_models() <= served
+    metrics = await (await proxy.client.get("/metrics")).text()
+    labels = {s["model"] for s in _series(metrics, "admission_model_requests")}
+    assert len(labels) <= 4 and "static-59" in labels
+    assert {s["model"] for s in _series(metrics, "admission_model_queue_depth")} == served
+    proxy.assert_idle()
