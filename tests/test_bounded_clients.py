@@ -253,3 +253,69 @@ async def test_clients_that_leave_at_every_step_leak_nothing(
     for sim in sims:
         assert upstream_connections(sim.port) <= SEATS + 1
     assert open_fds() <= fds + 2 * len(sims) * (SEATS + 1)
+
+
+async def test_clients_that_leave_in_observe_mode_leak_nothing(
+    start_proxy: Start, sims: list[SimServer]
+) -> None:
+    """``mode: observe`` forwards what enforcing would queue on overflow seats: rounds
+    of clients that leave while all of them wait for a first byte leave no overflow
+    count, seat or task behind."""
+    config = make_config(
+        [s.url for s in sims], seats=SEATS, budgets=LONG, mode="observe",
+        timeouts={"cancel_grace_ms": 20},
+    )  # fmt: skip
+    proxy = await start_proxy(config)
+    runtime = proxy.runtime
+    before = set(asyncio.all_tasks())
+    sent = SEATS * len(sims) + 4
+    async with aiohttp.ClientSession() as session:
+        for sim in sims:
+            await sim.set_faults(hang_before_first_byte_ms=-1)
+        for _ in range(20):
+            tasks = [
+                asyncio.ensure_future(session.post(proxy.url + CHAT, json=chat(), headers=AUTH))
+                for _ in range(sent)
+            ]
+            await wait_for(lambda: sum(s.state.in_flight for s in sims) == sent)
+            assert len(runtime.dispatcher._overflow) == 4
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await settled(proxy, sims, before)
+
+
+async def test_clients_that_leave_while_their_retry_waits_leak_nothing(
+    start_proxy: Start, sims: list[SimServer]
+) -> None:
+    """r0 answers every request 503, r1 hangs: a request that failed on r0 waits, as a
+    retry, for r1's one seat (held by another hanging request). Rounds of clients that
+    leave then (the retry waiting, the other waiting for a first byte) leave no retry
+    waiting, seat or task behind."""
+    config = make_config(
+        [s.url for s in sims], seats=1, budgets=LONG,
+        timeouts={"cancel_grace_ms": 20},
+        health={"eject_after_failures": 100_000},
+        retry={"base_backoff_ms": 1, "max_backoff_ms": 2, "max_attempts": 3,
+               "budget_ratio": 1.0, "min_retries_per_s": 1000},
+    )  # fmt: skip
+    proxy = await start_proxy(config)
+    runtime = proxy.runtime
+    await wait_for(lambda: all(r.serving for r in runtime.pool.replicas))
+    before = set(asyncio.all_tasks())
+    await sims[0].set_faults(error_rate=1.0, error_status=503)
+    await sims[1].set_faults(hang_before_first_byte_ms=-1)
+    async with aiohttp.ClientSession() as session:
+
+        def post() -> asyncio.Future[aiohttp.ClientResponse]:
+            return asyncio.ensure_future(session.post(proxy.url + CHAT, json=chat(), headers=AUTH))
+
+        for _ in range(15):
+            holder = post()
+            await wait_for(lambda: sims[1].state.in_flight == 1)
+            retrying = post()
+            await wait_for(lambda: len(runtime.dispatcher._reseating) == 1)
+            for task in (retrying, holder):
+                task.cancel()
+            await asyncio.gather(retrying, holder, return_exceptions=True)
+            await settled(proxy, sims, before)
