@@ -53,8 +53,13 @@ def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
 
 
+#: 127.0.0.1 as ``/proc/net/tcp`` and ``tcp6`` write it.
+LOOPBACK_V4 = "0100007F"
+LOOPBACK_V4_IN_V6 = "0000000000000000FFFF00000100007F"
+
+
 def upstream_connections(port: int) -> int:
-    """Established TCP connections to ``port`` on this host (``/proc/net/tcp*``): the
+    """Established TCP connections to 127.0.0.1:``port`` (``/proc/net/tcp*``): the
     proxy's and its prober's connections to a replica."""
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -65,7 +70,9 @@ def upstream_connections(port: int) -> int:
             continue
         for row in rows:
             fields = row.split()
-            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+            address, remote_port = fields[2].rsplit(":", 1)
+            loopback = address in (LOOPBACK_V4, LOOPBACK_V4_IN_V6)
+            if fields[3] == "01" and loopback and int(remote_port, 16) == port:
                 count += 1
     return count
 
