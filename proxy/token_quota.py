@@ -199,9 +199,5 @@ class TokenQuotas:
         for tenant in [t for t in self._seen if t not in keep]:
             del self._seen[tenant]
 
-    def seen(self) -> int:
-        """Tenants with a reading kept."""
-        return len(self._seen)
-
     def __repr__(self) -> str:
         return f"<TokenQuotas {len(self._seen)} tenants seen, {self.store!r}>"
