@@ -44,7 +44,10 @@ def config(urls: list[str], rotating: int) -> Config:
     """Tenant ``keep`` and tenant ``rot-<rotating>``, two labels at most."""
     tenants: dict[str, Any] = {
         "keep": {"api_keys": [KEY_A]},
-        f"rot-{rotating}": {"api_keys": [f"sk-rot-{rotating}"]},
+        f"rot-{rotating}": {
+            "api_keys": [f"sk-rot-{rotating}"],
+            "token_quota": {"per_day": 1_000_000},
+        },
     }
     return make_config(urls, seats=1, tenants=tenants, telemetry={"max_tenant_labels": 2})
 
@@ -70,9 +73,9 @@ async def test_reloads_that_rotate_tenants_keep_the_labels_within_the_cap(
     """Forty reloads, each replacing the rotating tenant by a new one that then sends
     three requests at once (on two seats): the metrics name ``keep``, the tenant of now
     and ``other``/``unknown`` only, and the proxy keeps per-tenant figures (queue
-    high-water marks, mean output) for those only. The tenant removed while its request
-    still ran is counted under its own label (that request ends after the reload), and
-    forgotten at the next reload."""
+    high-water marks, mean output, last quota reading) for those only. The tenant
+    removed while its request still ran is counted under its own label (that request
+    ends after the reload), and forgotten at the next reload."""
     urls = [s.url for s in sims]
     proxy = await start_proxy(config(urls, 0))
     runtime = proxy.runtime
@@ -103,6 +106,7 @@ async def test_reloads_that_rotate_tenants_keep_the_labels_within_the_cap(
     # What is kept per tenant follows the tenants of now (removed ones fold into other).
     assert set(runtime.dispatcher.depth_high_water()) <= now | {"other"}
     assert len(runtime.output_tokens) <= len(now)
+    assert set(runtime.token_quotas._seen) <= now  # the last quota readings (private)
     # The cancelled request's seat comes back after ``cancel_grace_ms``.
     await wait_for(lambda: runtime.pool.total_inflight() == 0)
     proxy.assert_idle()
