@@ -35,7 +35,7 @@ again after the Redis call (``_serves``): the fleet may have changed meanwhile.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 from proxy import admission
 from proxy.admission import TenantLimits
@@ -167,6 +167,18 @@ class Dispatcher:
 
     def queued(self) -> int:
         return len(self.scheduler)
+
+    def keep_tenants(self, keep: Container[str], fold_into: str) -> None:
+        """Forget the since-start figures of tenants not in ``keep`` (a reload removed
+        them and nothing of theirs runs), folded into ``fold_into``'s: the label their
+        series count under once forgotten, so the metrics read the same. Kept, each
+        tenant a reload ever removed stayed here for the process's life."""
+        for tenant in [t for t in self._high_water if t not in keep and t != fold_into]:
+            high = self._high_water.pop(tenant)
+            self._high_water[fold_into] = max(high, self._high_water.get(fold_into, 0))
+        for tenant in [t for t in self._headroom_grants if t not in keep and t != fold_into]:
+            grants = self._headroom_grants.pop(tenant)
+            self._headroom_grants[fold_into] = self._headroom_grants.get(fold_into, 0) + grants
 
     @property
     def headroom_grants(self) -> int:
@@ -780,12 +792,38 @@ class Dispatcher:
         (``_route_unrouted``).
         """
         self._route_unrouted()
-        for model in self.scheduler.waiting_models():
+        gone_models: set[str] = set()
+        for model in self.pool_models():
             gone = self.seats.unserved(model)
-            if gone is not None and model is not None:
+            if gone is not None:
+                gone_models.add(model)
                 for ticket in self.scheduler.drop(model):
                     self._fail(ticket, gone.error())
         self._reseating.refuse_unserved()
+        self._forget_models(gone_models)
+
+    def pool_models(self) -> frozenset[str]:
+        """The model pools this dispatcher keeps anything for (queue, fair-share and
+        usage accounts, seat times): at most the models served now plus those whose
+        last requests were still running at the last fleet change
+        (``refuse_unserved`` forgets the rest)."""
+        return frozenset(
+            set(self.scheduler.depth_by_model())
+            | {m for m in self._usage if m is not None}
+            | {m for m in self._pool_turns if m is not None}
+            | self.waits.pool_models()
+        )
+
+    def _forget_models(self, gone: set[str]) -> None:
+        """Drop what is kept per model pool for models no replica lists any more.
+
+        Adapters come and go (vLLM lists each LoRA adapter as a model), each with
+        its own name: kept, their pools' accounts grew with every name the fleet
+        ever served. A model that comes back starts afresh, as its queue does."""
+        for model in gone:
+            self._usage.pop(model, None)
+            self._pool_turns.pop(model, None)
+        self.waits.forget_models(gone)
 
     def close(self) -> None:
         """Shutting down: refuse new tickets and answer every queued one."""

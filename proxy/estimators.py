@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Container
 
 #: Seat times kept: the mean is over the last this many requests.
 SEAT_TIME_WINDOW = 64
@@ -275,6 +276,14 @@ class OutputTokens:
         if mean is None:
             return float(DEFAULT_OUTPUT_TOKENS)
         return min(float(MAX_OUTPUT_TOKENS_ESTIMATE), mean)
+
+    def keep_tenants(self, keep: Container[str]) -> None:
+        """Forget the tenants not in ``keep`` (a reload removed them)."""
+        for tenant in [t for t in self._means if t not in keep]:
+            del self._means[tenant]
+
+    def __len__(self) -> int:
+        return len(self._means)
 
     def __repr__(self) -> str:
         return f"<OutputTokens {len(self._means)} tenants>"

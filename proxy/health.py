@@ -380,8 +380,17 @@ class Health:
             return None
         return reading
 
+    def reading_names(self) -> set[str]:
+        """Replicas with an engine reading kept, fresh or stale."""
+        return set(self._readings)
+
     def refresh_saturation(self) -> None:
-        """Mark replicas saturated from fresh readings only; stale ones count as not."""
+        """Mark replicas saturated from fresh readings only; stale ones count as not.
+
+        Readings of replicas gone from the pool (a reload removed them) are dropped
+        here, every round: replica names come and go with an autoscaled fleet."""
+        for gone in self._readings.keys() - {r.name for r in self._pool.replicas}:
+            del self._readings[gone]
         max_waiting = self._config.saturation.max_waiting
         max_kv = self._config.saturation.max_kv_cache
         changed = False

@@ -85,6 +85,10 @@ class PrefillLedger:
             f"{len(self._warm)} keys warm>"
         )
 
+    def warm_keys(self) -> int:
+        """Keys remembered as cached somewhere: at most ``max_keys``."""
+        return len(self._warm)
+
     def work(self, key: AffinityKey, cost: float, replica: str) -> float:
         """What a request of ``key`` costing ``cost`` adds to ``replica``'s prompt work."""
         if (key, replica) in self._busy:

@@ -23,12 +23,14 @@ from proxy.estimators import OutputTokens
 from proxy.health import Health
 from proxy.models import ModelTable
 from proxy.quotas import EntranceQuotas, RateTake
+from proxy.record import RequestRecord
 from proxy.replicas import ReplicaPool
 from proxy.retries import RetryBudget, RetryPolicy
 from proxy.settings import BudgetsConfig, Config
 from proxy.state.quota import LocalTokenQuotas, WallClock
 from proxy.telemetry import Telemetry
 from proxy.telemetry.gpu import GpuSampler
+from proxy.telemetry.metrics import OTHER_TENANTS
 from proxy.token_quota import TokenQuotas
 from proxy.upstream import upstream_timeout
 
@@ -165,9 +167,16 @@ class Runtime:
         self.dispatcher.refuse_unserved()  # a model the reload left no replica listing
         self.dispatcher.seats.affinity.max_load_factor = rules.config.routing.max_load_factor
         self.health.set_config(rules.config)
-        self.telemetry.labels.reconfigure(
-            rules.config.tenants, rules.config.telemetry.max_tenant_labels
+        # A tenant the reload removed keeps its label while its requests run here.
+        busy = {record.tenant for record in self.active if isinstance(record, RequestRecord)}
+        forgotten = self.telemetry.labels.reconfigure(
+            rules.config.tenants, rules.config.telemetry.max_tenant_labels, busy
         )
+        self.telemetry.forget_tenants(forgotten)
+        keep = set(rules.config.tenants) | busy
+        self.dispatcher.keep_tenants(keep, fold_into=OTHER_TENANTS)
+        self.output_tokens.keep_tenants(keep)
+        self.token_quotas.keep_tenants(keep)
         self.telemetry.model_labels.max_labels = rules.config.telemetry.max_tenant_labels
         self.gpu.set_interval(rules.config.gpu.sample_ms / 1000.0)
         retry = rules.config.retry

@@ -24,6 +24,7 @@ pass before the first one lands.
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -191,6 +192,12 @@ class TokenQuotas:
                 if window in use:
                     gauges[tenant, window] = use[window]["remaining"]
         return gauges
+
+    def keep_tenants(self, keep: Container[str]) -> None:
+        """Forget the last reading of tenants not in ``keep`` (a reload removed them);
+        their counters stay in the store (a tenant put back keeps its day's use)."""
+        for tenant in [t for t in self._seen if t not in keep]:
+            del self._seen[tenant]
 
     def __repr__(self) -> str:
         return f"<TokenQuotas {len(self._seen)} tenants seen, {self.store!r}>"

@@ -24,7 +24,7 @@ across instances"). Nothing seen (one process, or idle peers): all of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, NamedTuple
 
 from proxy.estimators import (
@@ -151,6 +151,19 @@ class Waits:
         if model is None:
             return self.seat_time
         return self._pool_seat_times.get(model) or SeatTime()
+
+    def pool_models(self) -> set[str]:
+        """The model pools with seat times kept."""
+        return set(self._pool_seat_times)
+
+    def forget_models(self, gone: Collection[str]) -> None:
+        """Forget the seat times of model pools no replica serves any more; a request
+        of one still running ends counted in the fleet's seat times only."""
+        if not gone:
+            return
+        for model in gone:
+            self._pool_seat_times.pop(model, None)
+        self._pool_of = {t: m for t, m in self._pool_of.items() if m not in gone}
 
     def seen_elsewhere(self, replica: str, elsewhere: Elsewhere, now: float) -> None:
         """A seat answer of the shared state said how other instances hold ``replica``'s

@@ -236,8 +236,8 @@ async def test_reload_labels_a_new_tenant_within_the_new_cap(
         (("a", "b"), [(("c", "a", "b"), 2)], {"a", "b"}, {"c"}),
         # a lower cap keeps the first labelled ones in file order
         (("a", "b", "c"), [(("a", "b", "c"), 1)], {"a"}, {"b", "c"}),
-        # a removed tenant keeps its label (its queued requests still end) but
-        # frees its place for a newcomer
+        # a removed tenant with requests still running (b, below) keeps its label
+        # (they still end) but frees its place for a newcomer
         (("a", "b"), [(("a", "c"), 2)], {"a", "b", "c"}, {"d"}),
         # ...until it comes back: then it counts again, behind the cap
         (("a", "b"), [(("a", "c"), 2), (("a", "c", "b"), 2)], {"a", "c"}, {"b"}),
@@ -249,13 +249,24 @@ def test_tenant_labels_after_reload(
     labelled: set[str],
     folded: set[str],
 ) -> None:
-    """Which tenants have their own label after reloads (table: tenants in, labels out)."""
+    """Which tenants have their own label after reloads (table: tenants in, labels out);
+    tenant b has requests in the proxy at each reload."""
     labels = TenantLabels(before, len(before))
     for tenants, cap in reloads:
-        labels.reconfigure(tenants, cap)
+        labels.reconfigure(tenants, cap, busy={"b"})
     assert {t for t in labelled | folded if labels(t) == t} == labelled
     assert {labels(t) for t in folded} == {"other"}
     assert labels("unknown") == "unknown"
+
+
+def test_a_removed_tenant_is_forgotten_once_it_has_no_request() -> None:
+    """Removed while busy, b keeps its label; at the next reload, idle, it is forgotten
+    (returned, for its series to be dropped) and counts under "other"."""
+    labels = TenantLabels(("a", "b"), 2)
+    assert labels.reconfigure(("a", "c"), 2, busy={"b"}) == frozenset()
+    assert labels("b") == "b"
+    assert labels.reconfigure(("a", "c", "d"), 2) == {"b"}
+    assert (labels("a"), labels("b"), labels("c"), labels("d")) == ("a", "other", "c", "other")
 
 
 async def test_reload_applies_the_connect_timeout(start_proxy: Start, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ tuple (the set of tuples is bounded by the fixed reason and layer codes).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from proxy.record import RequestRecord
@@ -137,6 +138,18 @@ class Telemetry:
             trace_id = record.trace.trace_id
         if self.access_log is not None:
             self.access_log.write(record, trace_id)
+
+    def forget_tenants(self, labels: Iterable[str]) -> None:
+        """Drop every series of tenant labels no longer in use (a reload removed the
+        tenant, ``TenantLabels.reconfigure``): the label set stays within the cap."""
+        metrics = self.metrics
+        families: tuple[CounterFamily | HistogramFamily, ...] = (
+            metrics.requests, metrics.wait, metrics.ttft, metrics.duration, metrics.goodput,
+            metrics.tokens, metrics.observed_refusals, metrics.degraded,
+        )  # fmt: skip
+        for label in labels:
+            for family in families:
+                family.remove_where("tenant", label)
 
     def retry(self, reason: str) -> None:
         self._retries(reason).inc()

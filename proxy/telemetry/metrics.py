@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -166,6 +166,12 @@ class HistogramFamily(_Family):
         """Every labelled series so far (a copy: safe to read while requests add more)."""
         return list(self._children.items())
 
+    def remove_where(self, label: str, value: str) -> None:
+        """Drop every series whose ``label`` is ``value`` (a label no longer in use)."""
+        index = self.labelnames.index(label)
+        for values in [values for values in self._children if values[index] == value]:
+            del self._children[values]
+
     def collect(self) -> Iterable[Metric]:
         metric = Metric(self.name, self.documentation, self._type)
         name = self.name
@@ -199,20 +205,29 @@ class TenantLabels:
             return tenant
         return OTHER_TENANTS
 
-    def reconfigure(self, tenants: Iterable[str], max_labels: int) -> None:
-        """After a reload: the new tenants and cap, relabelling nobody without need.
+    def reconfigure(
+        self, tenants: Iterable[str], max_labels: int, busy: Container[str] = frozenset()
+    ) -> frozenset[str]:
+        """After a reload: the new tenants and cap, relabelling nobody without need;
+        returns the labels forgotten, whose series the caller drops.
 
         Tenants labelled already keep their label, in file order, as far as
         the cap allows (a series does not change name under a dashboard);
         newcomers take the places left, in file order. A removed tenant keeps
-        its label without taking a place: requests it had queued still end
-        after the reload and are counted as its own. If it comes back, it
+        its label without taking a place while it has requests in the proxy
+        (``busy``): they still end after the reload and are counted as its own.
+        A removed tenant with none is forgotten (at this reload or, busy now, at
+        a later one): kept, every tenant a reload ever removed held its label
+        and series, past the cap, for the process's life. If it comes back, it
         takes a place again.
         """
         configured = list(tenants)
         named = self._named
         ordered = [t for t in configured if t in named] + [t for t in configured if t not in named]
-        self._named = frozenset(ordered[:max_labels]) | (named - set(configured))
+        removed = named - set(configured)
+        kept = frozenset(t for t in removed if t in busy)
+        self._named = frozenset(ordered[:max_labels]) | kept
+        return removed - kept
 
 
 class ModelLabels:
