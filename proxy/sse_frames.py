@@ -11,45 +11,76 @@ and the error event stands on its own.
 
 Holding the tail back costs the client nothing: an SSE client dispatches an
 event only at its blank line. Engines write one whole event per chunk, which
-passes at once without a copy. A stream framed with ``\\r\\n`` is passed as
-it is (as ``sse_usage.UsageStripper`` does), and so is an event that grows
-past ``MAX_HELD_BYTES`` without ending, so holding is bounded. No I/O here.
+passes at once without a copy. A stream framed with ``\\r\\n`` (sse-starlette,
+which llama-cpp-python and many FastAPI servers use) is cut at ``\\r\\n\\r\\n``;
+its framing is read from the first line end it sends. A stream with bare
+``\\r`` line ends, or one that mixes ``\\r`` into ``\\n`` framing, is passed as
+it is, and so is an event that grows past ``MAX_HELD_BYTES`` without ending,
+so holding is bounded. No I/O here.
 """
 
 from __future__ import annotations
 
 #: An unfinished event longer than this is passed on as it comes.
 MAX_HELD_BYTES = 1 << 20
-_SEPARATOR = b"\n\n"
+#: The blank line that ends an event, as ``\n`` and as ``\r\n`` streams write it.
+LF_END = b"\n\n"
+CRLF_END = b"\r\n\r\n"
+
+
+def event_end(data: bytes) -> bytes | None:
+    """The blank line that ends the events of a stream whose first bytes are ``data``:
+    None while no line has ended yet, b"" for a framing not cut here (bare ``\\r``)."""
+    if b"\r\n" in data:
+        return CRLF_END
+    if b"\r" in data:
+        return b""
+    if b"\n" in data:
+        return LF_END
+    return None
 
 
 class SseFramer:
     """Feeds on the replica's bytes; returns the whole events among them."""
 
-    __slots__ = ("_held", "_passthrough")
+    __slots__ = ("_end", "_held", "_passthrough")
 
     def __init__(self) -> None:
         self._held = b""
         self._passthrough = False
+        #: The stream's event end, once its first line end has been seen.
+        self._end: bytes | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         if self._passthrough:
             return chunk
-        if not self._held and chunk.endswith(_SEPARATOR):
-            return chunk  # the common case: whole events
-        if b"\r" in chunk:
-            self._passthrough = True
-            return self.flush() + chunk
-        data = self._held + chunk if self._held else chunk
-        end = data.rfind(_SEPARATOR)
-        if end < 0:
-            self._held = data
-            if len(data) > MAX_HELD_BYTES:
+        end_of_event = self._end
+        if end_of_event is LF_END:
+            if not self._held and chunk.endswith(LF_END):
+                return chunk  # the common case: whole events
+            if b"\r" in chunk:
                 self._passthrough = True
-                return self.flush()
-            return b""
-        self._held = data[end + 2 :]
-        return data[: end + 2]
+                return self.flush() + chunk
+        elif end_of_event is None:
+            end_of_event = self._end = event_end(self._held + chunk)
+            if end_of_event == b"":
+                self._passthrough = True
+                return self.flush() + chunk
+        data = self._held + chunk if self._held else chunk
+        end = data.rfind(end_of_event) if end_of_event is not None else -1
+        if end_of_event is None or end < 0:
+            return self._hold(data)
+        cut = end + len(end_of_event)
+        self._held = data[cut:]
+        return data[:cut]
+
+    def _hold(self, data: bytes) -> bytes:
+        """No event ends in ``data`` yet: held, unless it has grown past the bound."""
+        self._held = data
+        if len(data) > MAX_HELD_BYTES:
+            self._passthrough = True
+            return self.flush()
+        return b""
 
     def flush(self) -> bytes:
         """What is held: the stream ended normally, and its last bytes go out as they are."""

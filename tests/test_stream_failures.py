@@ -1,0 +1,253 @@
+"""Streamed answers under failure, as a client and an operator see them.
+
+A real proxy before a scripted replica: each request's body says what the
+replica writes, byte for byte, and how its answer ends (a reset, a stall, a
+broken chunk, a clean end), so the stream's framing is the test's to choose
+(``\\n`` as vLLM and TGI write it, ``\\r\\n`` as sse-starlette does). The
+simulator (``admission-proxy sim``) resets real streams for the health
+checks. The client reads what the proxy sends; the operator reads the access
+log line, ``/metrics``, the replica's health and the seats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from proxy.clock import FakeClock
+from proxy.sse_frames import MAX_HELD_BYTES, SseFramer
+from proxy.sse_usage import UsageStripper
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+ServerFactory = Callable[..., Awaitable[TestServer]]
+CHAT = "/v1/chat/completions"
+TGI = "/generate_stream"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+#: 2026-12-01 12:00 UTC: no day ends while a test runs on the quota's clock.
+NOON = 1_796_126_400.0
+LF, CRLF = b"\n\n", b"\r\n\r\n"
+
+
+@dataclass
+class Script:
+    """What the scripted replica saw; ``gate`` holds a ``{"gate": true}`` step."""
+
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+SCRIPT: web.AppKey[Script] = web.AppKey("script", Script)
+
+
+async def _scripted(request: web.Request) -> web.StreamResponse:
+    """``steps``: strings written as they are (latin-1), or ``{"gate": true}`` (wait for
+    the test); ``end``: ``eof`` (default), ``abort`` (RST), ``truncated_chunk``,
+    ``no_terminator`` (FIN without the last chunk), ``stall`` (nothing more until the
+    proxy leaves) or ``bad_chunk`` (a chunk header that is not hex)."""
+    state = request.app[SCRIPT]
+    body = await request.json()
+    state.bodies.append(body)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for step in body["steps"]:
+        if isinstance(step, dict):
+            await state.gate.wait()
+        else:
+            await response.write(step.encode("latin-1"))
+    end = body.get("end", "eof")
+    transport = request.transport
+    assert transport is not None
+    if end == "abort":
+        transport.abort()
+    elif end == "truncated_chunk":  # 100 bytes announced, 20 sent, then FIN
+        transport.write(b"64\r\n" + b"x" * 20)
+        transport.close()
+    elif end == "no_terminator":  # FIN without the last (zero-length) chunk
+        transport.close()
+    elif end == "bad_chunk":
+        transport.write(b"zz\r\nxx\r\n")
+        await asyncio.Event().wait()  # until the proxy closes the connection
+    elif end == "stall":
+        await asyncio.Event().wait()
+    else:
+        await response.write_eof()
+    return response
+
+
+async def _other(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": []})  # probes, warm-up
+
+
+@pytest.fixture
+async def scripted(aiohttp_server: ServerFactory) -> TestServer:
+    app = web.Application()
+    app[SCRIPT] = Script()
+    app.router.add_post(CHAT, _scripted)
+    app.router.add_post(TGI, _scripted)
+    app.router.add_route("*", "/{tail:.*}", _other)
+    return await aiohttp_server(app)
+
+
+def _url(server: TestServer) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+def chunk(content: str, end: bytes = LF) -> bytes:
+    doc = {"id": "c", "object": "chat.completion.chunk",
+           "choices": [{"index": 0, "delta": {"content": content}}]}  # fmt: skip
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + end
+
+
+def usage_chunk(end: bytes = LF) -> bytes:
+    doc = {"id": "c", "object": "chat.completion.chunk", "choices": [],
+           "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}  # fmt: skip
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + end
+
+
+def tgi_token(text: str) -> bytes:
+    event = {"index": 1, "token": {"id": 1, "text": text, "logprob": 0.0, "special": False},
+             "generated_text": None, "details": None}  # fmt: skip
+    return b"data:" + json.dumps(event).encode() + LF
+
+
+def steps(*parts: bytes | dict[str, bool]) -> list[Any]:
+    return [p.decode("latin-1") if isinstance(p, bytes) else p for p in parts]
+
+
+def sse_payloads(raw: bytes) -> list[str]:
+    """The ``data`` of each event an SSE client dispatches (any line end, comments skipped)."""
+    events: list[str] = []
+    data: list[str] = []
+    for line in raw.replace(b"\r\n", b"\n").split(b"\n"):
+        if not line:
+            if data:
+                events.append("\n".join(data))
+            data = []
+        elif line.startswith(b"data:"):
+            data.append(line[5:].removeprefix(b" ").decode())
+    return events
+
+
+def quota_tenants() -> dict[str, Any]:
+    return {
+        "a": {"api_keys": [KEY_A], "token_quota": {"per_day": 100_000}},
+        "b": {"api_keys": [KEY_B]},
+    }
+
+
+async def start(start_proxy: Start, urls: list[str], quota: bool, **sections: Any) -> Proxy:
+    log = io.StringIO()
+    tenants = quota_tenants() if quota else None
+    config = make_config(urls, tenants=tenants, **sections)
+    proxy = await start_proxy(config, access_log=log, quota_clock=FakeClock(start=NOON))
+    return Proxy(proxy, log)
+
+
+@dataclass
+class Proxy:
+    under_test: ProxyUnderTest
+    log: io.StringIO
+
+    async def stream(self, body: dict[str, Any], path: str = CHAT) -> tuple[int, bytes]:
+        """Send ``body``; the whole answer as the client received it."""
+        client = self.under_test.client
+        async with client.post(path, json=body, headers=AUTH) as resp:
+            raw = await asyncio.wait_for(resp.read(), timeout=20)
+            return resp.status, raw
+
+    async def lines(self, count: int) -> list[dict[str, Any]]:
+        """The first ``count`` access log lines (waits until they are written)."""
+        await wait_for(lambda: len(self.log.getvalue().splitlines()) >= count, timeout_s=10)
+        return [json.loads(line) for line in self.log.getvalue().splitlines()[:count]]
+
+
+def estimate(body: dict[str, Any]) -> int:
+    """The prompt's estimate the quota keeps when the engine reports none: bytes / 4."""
+    return len(json.dumps(body).encode()) // 4
+
+
+# -- \r\n framing (sse-starlette: llama-cpp-python and many FastAPI servers) -----------------
+
+
+async def test_a_crlf_stream_loses_the_usage_chunk_the_proxy_asked_for(
+    start_proxy: Start, scripted: TestServer
+) -> None:
+    """The proxy asks for usage the client did not ask for: in a stream framed with
+    ``\\r\\n`` the usage-only chunk is removed too (it used to reach the client, whose
+    ``chunk.choices[0]`` then fails), and the quota is settled by that usage."""
+    proxy = await start(start_proxy, [_url(scripted)], quota=True)
+    parts = (b": ping - 2026-12-01\r\n\r\n", chunk("a", CRLF), chunk("b", CRLF), chunk("c", CRLF))
+    body = {"messages": [], "max_tokens": 50, "stream": True,
+            "steps": steps(*parts, usage_chunk(CRLF), b"data: [DONE]\r\n\r\n")}  # fmt: skip
+    status, raw = await proxy.stream(body)
+    assert scripted.app[SCRIPT].bodies[0]["stream_options"] == {"include_usage": True}
+    assert status == 200
+    assert raw == b"".join(parts) + b"data: [DONE]\r\n\r\n"
+    (line,) = await proxy.lines(1)
+    assert (line["outcome"], line["input_tokens"], line["output_tokens"]) == ("completed", 7, 3)
+    assert line["quota_actual_tokens"] == 10
+    proxy.under_test.assert_idle()
+
+
+@pytest.mark.parametrize("quota", [False, True], ids=["framer", "usage_stripper"])
+async def test_a_crlf_stream_cut_mid_event_ends_in_an_error_event_of_its_own(
+    start_proxy: Start, scripted: TestServer, quota: bool
+) -> None:
+    """A ``\\r\\n`` stream whose replica resets inside an event: the client gets the
+    whole events before it and then the error event on its own, never glued to the
+    half event (which an SSE client would read as one broken event)."""
+    proxy = await start(start_proxy, [_url(scripted)], quota=quota)
+    body = {"messages": [], "max_tokens": 50, "stream": True, "end": "abort",
+            "steps": steps(chunk("a", CRLF), chunk("b", CRLF) + chunk("c", CRLF)[:25])}  # fmt: skip
+    status, raw = await proxy.stream(body)
+    assert status == 200
+    *tokens, error = [json.loads(p) for p in sse_payloads(raw)]
+    assert [t["choices"][0]["delta"]["content"] for t in tokens] == ["a", "b"]
+    assert error["error"]["code"] == "upstream_protocol_error"
+    (line,) = await proxy.lines(1)
+    assert (line["outcome"], line["reason"], line["output_tokens"]) == (
+        "failed", "upstream_protocol_error", 2)  # fmt: skip
+    proxy.under_test.assert_idle()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_crlf_streams_split_anywhere_come_out_whole_and_stripped(seed: int) -> None:
+    """Cut at any byte after its first line end, a ``\\r\\n`` stream passes the framer as
+    whole events, byte for byte, and the stripper as the stream without its usage."""
+    events = [b": ping\r\n\r\n", chunk("a", CRLF), chunk("b", CRLF), usage_chunk(CRLF)]
+    stream = b"".join([*events, b"data: [DONE]\r\n\r\n"])
+    rng = random.Random(seed)
+    first_line_end = stream.index(b"\r\n") + 2
+    cuts = sorted(rng.sample(range(first_line_end, len(stream)), rng.randint(1, 30)))
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    framer, stripper = SseFramer(), UsageStripper()
+    framed, stripped = [], []
+    for piece in pieces:
+        out = framer.feed(piece)
+        assert out == b"" or out.endswith(CRLF)  # never half an event
+        framed.append(out)
+        stripped.append(stripper.feed(piece))
+    assert b"".join([*framed, framer.flush()]) == stream
+    assert b"".join([*stripped, stripper.flush()]) == stream.replace(usage_chunk(CRLF), b"")
+    assert stripper.stripped == 1
+
+
+def test_the_stripper_holds_an_endless_event_no_longer_than_the_framer_does() -> None:
+    """An event that never ends is held up to ``MAX_HELD_BYTES``, then passed on as it
+    comes, as ``SseFramer`` does (it used to be held whole, however large)."""
+    stripper = UsageStripper()
+    assert stripper.feed(b"data: " + b"x" * 10) == b""
+    big = b"x" * MAX_HELD_BYTES
+    assert stripper.feed(big) == b"data: " + b"x" * 10 + big
+    assert stripper.feed(b"y") == b"y"
