@@ -220,7 +220,14 @@ async def relay(
                 await response.write(chunk)
             elif out := strip.feed(chunk):
                 await response.write(out)
-            chunk = await reader.read()
+            try:
+                chunk = await reader.read()
+            except ProxyError:
+                if not relayed.upstream_done:
+                    raise
+                # The engine said ``[DONE]``: the answer is whole, and a connection
+                # lost (or stalled) before the HTTP terminator lost none of it.
+                chunk = b""
         relayed.upstream_done = True
         if on_upstream_done is not None:
             on_upstream_done()

@@ -251,3 +251,27 @@ def test_the_stripper_holds_an_endless_event_no_longer_than_the_framer_does() ->
     big = b"x" * MAX_HELD_BYTES
     assert stripper.feed(big) == b"data: " + b"x" * 10 + big
     assert stripper.feed(b"y") == b"y"
+
+
+# -- an answer that is whole at [DONE] ------------------------------------------------------
+
+
+@pytest.mark.parametrize("end", ["abort", "stall"])
+async def test_a_connection_lost_after_done_ends_a_completed_answer(
+    start_proxy: Start, scripted: TestServer, end: str
+) -> None:
+    """The engine sent ``[DONE]``, then its connection reset or stalled before the HTTP
+    terminator: the client has the whole answer, so it gets no error event after
+    ``[DONE]``, and the operator sees a completed request (not a failure or an idle
+    timeout), charged its usage, and a replica whose health holds no failure."""
+    proxy = await start(start_proxy, [_url(scripted)], quota=True, timeouts={"idle_ms": 300})
+    parts = (chunk("a"), chunk("b"), usage_chunk(), b"data: [DONE]\n\n")
+    body = {"messages": [], "max_tokens": 50, "stream": True, "end": end, "steps": steps(*parts)}
+    status, raw = await proxy.stream(body)
+    assert status == 200
+    assert raw == chunk("a") + chunk("b") + b"data: [DONE]\n\n"
+    (line,) = await proxy.lines(1)
+    assert (line["status"], line["outcome"], line["reason"]) == (200, "completed", "none")
+    assert line["quota_actual_tokens"] == 10
+    assert proxy.under_test.runtime.pool.replicas[0].failures == 0
+    proxy.under_test.assert_idle()
