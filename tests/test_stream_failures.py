@@ -27,7 +27,7 @@ from proxy.clock import FakeClock
 from proxy.sse_frames import MAX_HELD_BYTES, SseFramer
 from proxy.sse_usage import UsageStripper
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+from tests.helpers import KEY_A, KEY_B, make_config, samples_by_label, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 ServerFactory = Callable[..., Awaitable[TestServer]]
@@ -274,4 +274,93 @@ async def test_a_connection_lost_after_done_ends_a_completed_answer(
     assert (line["status"], line["outcome"], line["reason"]) == (200, "completed", "none")
     assert line["quota_actual_tokens"] == 10
     assert proxy.under_test.runtime.pool.replicas[0].failures == 0
+    proxy.under_test.assert_idle()
+
+
+# -- the replica breaks off mid-stream ------------------------------------------------------
+
+
+@pytest.mark.parametrize("end", ["abort", "truncated_chunk", "no_terminator"])
+@pytest.mark.parametrize("path", [CHAT, TGI])
+async def test_a_stream_broken_after_the_first_byte_is_reported_not_retried(
+    start_proxy: Start, scripted: TestServer, path: str, end: str
+) -> None:
+    """A reset, a chunk cut short or a connection closed without the last chunk, after
+    the first tokens reached the client: an SSE error event ends the stream
+    (OpenAI-style and TGI's ``/generate_stream``), no second attempt is made whatever
+    ``retry_on`` says, the access log and ``/metrics`` name the failure, and the quota
+    is charged the tokens relayed."""
+    retry = {"max_attempts": 3, "base_backoff_ms": 1, "retry_on": [
+        "connect_error", "connect_timeout", "first_byte_timeout", "reset_before_first_byte",
+        "http_500", "http_502", "http_503", "http_504"]}  # fmt: skip
+    proxy = await start(start_proxy, [_url(scripted)], quota=True, retry=retry)
+    token = tgi_token if path == TGI else chunk
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 50}} if path == TGI else {
+        "messages": [], "max_tokens": 50}  # fmt: skip
+    body |= {"stream": True, "end": end,
+             "steps": steps(token("a"), token("b"), {"gate": True}, token("c")[:20])}  # fmt: skip
+    async with proxy.under_test.client.post(path, json=body, headers=AUTH) as resp:
+        assert resp.status == 200
+        raw = b""
+        async with asyncio.timeout(20):
+            while raw.count(b"\n\n") < 2:  # the first two events reached the client
+                data = await resp.content.readany()
+                assert data, raw
+                raw += data
+            scripted.app[SCRIPT].gate.set()  # and only then does the replica break
+            raw += await resp.read()
+    *tokens, error = [json.loads(p) for p in sse_payloads(raw)]
+    assert len(tokens) == 2
+    assert error["error"]["code"] == "upstream_protocol_error"
+    assert len(scripted.app[SCRIPT].bodies) == 1, "never retried after the first byte"
+    (line,) = await proxy.lines(1)
+    assert (line["outcome"], line["reason"], line["attempts"]) == (
+        "failed", "upstream_protocol_error", 1)  # fmt: skip
+    assert line["quota_actual_tokens"] == estimate(body) + 2  # the two tokens relayed
+    metrics = await (await proxy.under_test.client.get("/metrics")).text()
+    reasons = samples_by_label(metrics, "admission_requests_total", "reason")
+    assert reasons == {"upstream_protocol_error": 1.0}
+    proxy.under_test.assert_idle()
+
+
+async def test_a_broken_answer_before_the_first_byte_names_no_replica_address(
+    start_proxy: Start, scripted: TestServer
+) -> None:
+    """A replica whose answer aiohttp cannot parse before any body byte: 502
+    ``upstream_protocol_error`` naming the replica, never its URL (it used to carry
+    ``url='http://host:port/...'`` from aiohttp's message)."""
+    proxy = await start(start_proxy, [_url(scripted)], quota=False)
+    body = {"messages": [], "stream": True, "end": "bad_chunk", "steps": []}
+    status, raw = await proxy.stream(body)
+    assert status == 502
+    error = json.loads(raw)["error"]
+    assert error["code"] == "upstream_protocol_error"
+    assert "replica r0" in error["message"]
+    assert str(scripted.port) not in error["message"]
+    assert "127.0.0.1" not in error["message"]
+
+
+async def test_a_chunk_header_broken_mid_stream_ends_at_the_idle_timeout(
+    start_proxy: Start, scripted: TestServer
+) -> None:
+    """A chunk header that is not hex after the first tokens: aiohttp's client drops
+    the connection but never fails the body it was reading, so the proxy hears of it
+    only as silence; ``idle_ms`` bounds it, the client gets the error event, and the
+    seat goes back. (Before the first byte the same answer is a 502 at once.)"""
+    proxy = await start(start_proxy, [_url(scripted)], quota=False, timeouts={"idle_ms": 300})
+    body = {"messages": [], "stream": True, "end": "bad_chunk",
+            "steps": steps(chunk("a"), {"gate": True})}  # fmt: skip
+    async with proxy.under_test.client.post(CHAT, json=body, headers=AUTH) as resp:
+        raw = b""
+        async with asyncio.timeout(20):
+            while not raw.endswith(LF):
+                data = await resp.content.readany()
+                assert data, raw
+                raw += data
+            scripted.app[SCRIPT].gate.set()
+            raw += await resp.read()
+    assert [json.loads(p).get("error", {}).get("code") for p in sse_payloads(raw)] == [
+        None, "idle_timeout"]  # fmt: skip
+    (line,) = await proxy.lines(1)
+    assert (line["outcome"], line["reason"]) == ("timed_out", "idle_timeout")
     proxy.under_test.assert_idle()
