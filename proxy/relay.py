@@ -73,6 +73,9 @@ class Relayed:
     upstream_done: bool = False
     input_tokens: int | None = None
     output_tokens: int | None = None
+    #: What broke the answer after the commit point ("broken"): the replica's
+    #: health hears of it (``Exchange``), as it hears of a failed attempt.
+    failure: ProxyError | None = None
 
 
 def end_to_end_headers(
@@ -246,7 +249,7 @@ async def relay(
             relayed.ending = "cancelled"
             record.cancel()
     except ProxyError as err:
-        relayed.ending = "broken"
+        relayed.ending, relayed.failure = "broken", err
         record.fail(err)
         reader.close()  # the error event has its own bound (_end_broken)
         await _end_broken(request, response, err, is_sse, grace_s=idle_s)
@@ -256,7 +259,8 @@ async def relay(
         # The total deadline came while the client was still taking the answer:
         # an error event would wait on the same client, so the connection is cut.
         relayed.ending = "broken"
-        record.fail(TotalTimeout("the request's total budget ran out while the client read"))
+        relayed.failure = TotalTimeout("the request's total budget ran out while the client read")
+        record.fail(relayed.failure)
         if request.transport is not None:
             request.transport.abort()
     finally:

@@ -15,7 +15,7 @@ import asyncio
 import io
 import json
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.clock import FakeClock
+from proxy.sim import SimConfig, SimServer, start_sim
 from proxy.sse_frames import MAX_HELD_BYTES, SseFramer
 from proxy.sse_usage import UsageStripper
 from tests.conftest import ProxyUnderTest
@@ -363,4 +364,59 @@ async def test_a_chunk_header_broken_mid_stream_ends_at_the_idle_timeout(
         None, "idle_timeout"]  # fmt: skip
     (line,) = await proxy.lines(1)
     assert (line["outcome"], line["reason"]) == ("timed_out", "idle_timeout")
+    proxy.under_test.assert_idle()
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[list[SimServer]]:
+    servers = [
+        await start_sim(SimConfig(slots=8, seed=i, decode_base_ms=1.0, decode_per_seq_ms=0.2))
+        for i in range(2)
+    ]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            await server.close()
+
+
+async def test_a_replica_that_breaks_every_stream_it_starts_is_ejected(
+    start_proxy: Start, sims: list[SimServer]
+) -> None:
+    """A simulator that resets every stream after two tokens (a sick engine that
+    answers its probes): each break counts toward its ejection like a reset before the
+    first byte, so after ``eject_after_failures`` of them in a row it is ejected and the
+    other replica takes the streams. It used to count none: the commit point counted as
+    a success and cleared the count, and the replica kept breaking streams forever."""
+    sick, well = sims
+    await sick.set_faults(reset_mid_stream_after_tokens=2)
+    health = {"interval_ms": 100, "eject_after_failures": 2, "eject_ms": 60_000}
+    proxy = await start(start_proxy, [well.url, sick.url], quota=True, health=health)
+    r1 = proxy.under_test.runtime.pool.get("r1")
+    assert r1 is not None
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "stream": True}
+    answers: list[bytes] = []
+    for _ in range(40):
+        if r1.ejected:
+            break
+        status, raw = await proxy.stream(body)
+        assert status == 200
+        answers.append(raw)
+    assert r1.ejected, f"{sick.state.resets_injected} broken streams did not eject r1"
+    resets = sick.state.resets_injected
+    # A reset whose bytes the kernel dropped unread is a reset before the first byte:
+    # retried on r0 and counted too. Every other one reached its client as an error.
+    lines = await proxy.lines(len(answers))
+    failed = [line for line in lines if line["outcome"] == "failed"]
+    assert 1 <= len(failed) <= resets
+    assert [(line["replica"], line["attempts"], line["output_tokens"]) for line in failed] == [
+        ("r1", 1, 2)] * len(failed)  # fmt: skip
+    for raw in answers:
+        last = sse_payloads(raw)[-1]
+        assert last == "[DONE]" or json.loads(last)["error"]["code"] == "upstream_protocol_error"
+    # After the ejection every stream goes to the other replica and completes.
+    for _ in range(3):
+        status, raw = await proxy.stream(body)
+        assert status == 200 and sse_payloads(raw)[-1] == "[DONE]"
+    assert sick.state.resets_injected == resets
     proxy.under_test.assert_idle()
