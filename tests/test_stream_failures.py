@@ -27,6 +27,7 @@ from proxy.clock import FakeClock
 from proxy.sim import SimConfig, SimServer, start_sim
 from proxy.sse_frames import MAX_HELD_BYTES, SseFramer
 from proxy.sse_usage import UsageStripper
+from proxy.usage_request import request_usage
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, KEY_B, make_config, samples_by_label, wait_for
 
@@ -420,3 +421,12 @@ async def test_a_replica_that_breaks_every_stream_it_starts_is_ejected(
         assert status == 200 and sse_payloads(raw)[-1] == "[DONE]"
     assert sick.state.resets_injected == resets
     proxy.under_test.assert_idle()
+
+
+def test_usage_asked_for_the_client_leaves_vllm_continuous_usage_off() -> None:
+    """A client that sent vLLM's ``continuous_usage_stats`` without ``include_usage``
+    got no usage at all (vLLM needs both); asked with ``include_usage`` on its behalf it
+    would get a usage object in every chunk, which the stripper leaves (it is inside
+    chunks with choices). The proxy's request leaves the flag out."""
+    doc = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    assert request_usage(doc) == {"stream": True, "stream_options": {"include_usage": True}}
