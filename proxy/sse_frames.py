@@ -29,15 +29,17 @@ CRLF_END = b"\r\n\r\n"
 
 
 def event_end(data: bytes) -> bytes | None:
-    """The blank line that ends the events of a stream whose first bytes are ``data``:
-    None while no line has ended yet, b"" for a framing not cut here (bare ``\\r``)."""
-    if b"\r\n" in data:
-        return CRLF_END
-    if b"\r" in data:
-        return b""
-    if b"\n" in data:
+    """The blank line that ends the events of a stream whose first bytes are ``data``,
+    read from its first line end: None while it has none yet (or it is a ``\\r`` whose
+    next byte has not come), b"" for a framing not cut here (bare ``\\r``)."""
+    lf, cr = data.find(b"\n"), data.find(b"\r")
+    if cr < 0:
+        return LF_END if lf >= 0 else None
+    if 0 <= lf < cr:
         return LF_END
-    return None
+    if cr + 1 == len(data):
+        return None
+    return CRLF_END if lf == cr + 1 else b""
 
 
 class SseFramer:

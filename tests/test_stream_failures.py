@@ -225,13 +225,13 @@ async def test_a_crlf_stream_cut_mid_event_ends_in_an_error_event_of_its_own(
 
 @pytest.mark.parametrize("seed", range(10))
 def test_crlf_streams_split_anywhere_come_out_whole_and_stripped(seed: int) -> None:
-    """Cut at any byte after its first line end, a ``\\r\\n`` stream passes the framer as
+    """Cut at any byte (its first line end too), a ``\\r\\n`` stream passes the framer as
     whole events, byte for byte, and the stripper as the stream without its usage."""
     events = [b": ping\r\n\r\n", chunk("a", CRLF), chunk("b", CRLF), usage_chunk(CRLF)]
     stream = b"".join([*events, b"data: [DONE]\r\n\r\n"])
     rng = random.Random(seed)
-    first_line_end = stream.index(b"\r\n") + 2
-    cuts = sorted(rng.sample(range(first_line_end, len(stream)), rng.randint(1, 30)))
+    first_cr = stream.index(b"\r")
+    cuts = sorted({first_cr + 1, *rng.sample(range(1, len(stream)), rng.randint(1, 30))})
     pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
     framer, stripper = SseFramer(), UsageStripper()
     framed, stripped = [], []
