@@ -430,3 +430,21 @@ def test_usage_asked_for_the_client_leaves_vllm_continuous_usage_off() -> None:
     chunks with choices). The proxy's request leaves the flag out."""
     doc = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
     assert request_usage(doc) == {"stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_first_byte_budget_bounds_streams_only(
+    start_proxy: Start, upstream_url: str, stream: bool
+) -> None:
+    """A replica 3x ``first_byte_ms`` late with its first byte: a stream is answered 504
+    ``first_byte_timeout`` (never relayed), a non-streaming request, whose first byte
+    comes only with its whole answer, is bounded by the total alone and completes."""
+    budgets = {"first_byte_ms": 200, "total_ms": 20_000}
+    proxy = await start(start_proxy, [upstream_url], quota=False, budgets=budgets)
+    body = {"messages": [], "max_tokens": 3, "stream": stream, "hang_ms": 600}
+    status, raw = await proxy.stream(body)
+    if stream:
+        assert status == 504 and json.loads(raw)["error"]["code"] == "first_byte_timeout"
+    else:
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+    proxy.under_test.assert_idle()
