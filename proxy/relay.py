@@ -173,9 +173,10 @@ async def relay(
 
     Never raises ``ProxyError``: a failure after the commit point is recorded
     on ``record`` and ``relayed`` and ends the answer; a client that left is
-    recorded as cancelled. ``on_upstream_done`` runs once the replica's answer has ended,
-    before the last bytes are flushed to the client: the replica's seat is
-    free from then on, however slowly the client reads. ``strip_usage``: the
+    recorded as cancelled. ``on_upstream_done`` runs once, when the replica's answer
+    has ended (at an SSE ``[DONE]``, or its last byte), before the last bytes are
+    flushed to the client: the replica's seat is free from then on, however
+    slowly the client reads. ``strip_usage``: the
     proxy asked for this stream's usage (``usage_request.py``); what that added
     is removed from what the client gets (``sse_usage.UsageStripper``).
     """
@@ -206,8 +207,12 @@ async def relay(
             if meter is not None:
                 # The clock matters only until the first token (TTFT).
                 meter.feed(chunk, clock.now() if meter.first_token_at is None else 0.0)
-                if meter.done:
+                if meter.done and not relayed.upstream_done:
+                    # The engine finished at ``[DONE]``: its seat is free from now
+                    # on, whenever (or whether) the HTTP terminator follows.
                     relayed.upstream_done = True
+                    if on_upstream_done is not None:
+                        on_upstream_done()
             elif batch is not None:
                 batch.feed(chunk)
             elif kept is not None:
@@ -231,9 +236,10 @@ async def relay(
                 # The engine said ``[DONE]``: the answer is whole, and a connection
                 # lost (or stalled) before the HTTP terminator lost none of it.
                 chunk = b""
-        relayed.upstream_done = True
-        if on_upstream_done is not None:
-            on_upstream_done()
+        if not relayed.upstream_done:
+            relayed.upstream_done = True
+            if on_upstream_done is not None:
+                on_upstream_done()
         rest = strip.flush() if strip is not None else framer.flush() if framer else b""
         if rest:
             await response.write(rest)

@@ -279,6 +279,29 @@ async def test_a_connection_lost_after_done_ends_a_completed_answer(
     proxy.under_test.assert_idle()
 
 
+async def test_the_seat_goes_back_at_done_not_at_the_http_terminator(
+    start_proxy: Start, scripted: TestServer
+) -> None:
+    """The engine is finished at ``[DONE]``: its seat is free then, while the replica's
+    HTTP terminator is still missing (it used to wait for it, up to ``idle_ms``)."""
+    proxy = await start(start_proxy, [_url(scripted)], quota=False, timeouts={"idle_ms": 60_000})
+    parts = (chunk("a"), b"data: [DONE]\n\n")
+    body = {"messages": [], "stream": True, "end": "stall", "steps": steps(*parts)}
+    pool = proxy.under_test.runtime.pool
+    async with proxy.under_test.client.post(CHAT, json=body, headers=AUTH) as resp:
+        raw = b""
+        async with asyncio.timeout(20):
+            while not raw.endswith(b"data: [DONE]\n\n"):
+                data = await resp.content.readany()
+                assert data, raw
+                raw += data
+        await wait_for(lambda: pool.total_inflight() == 0, timeout_s=10)
+        assert not resp.content.at_eof()  # the answer itself has not ended
+    (line,) = await proxy.lines(1)  # the client left after [DONE]: served
+    assert (line["outcome"], line["reason"]) == ("completed", "none")
+    proxy.under_test.assert_idle()
+
+
 # -- the replica breaks off mid-stream ------------------------------------------------------
 
 
