@@ -15,8 +15,9 @@ passes at once without a copy. A stream framed with ``\\r\\n`` (sse-starlette,
 which llama-cpp-python and many FastAPI servers use) is cut at ``\\r\\n\\r\\n``;
 its framing is read from the first line end it sends. A stream with bare
 ``\\r`` line ends, or one that mixes ``\\r`` into ``\\n`` framing, is passed as
-it is, and so is an event that grows past ``MAX_HELD_BYTES`` without ending,
-so holding is bounded. No I/O here.
+it is. An event that grows past ``MAX_HELD_BYTES`` without ending is passed
+on as it comes, up to its end (``LongEvent``), and the events after it are
+whole again, so holding is bounded. No I/O here.
 """
 
 from __future__ import annotations
@@ -42,20 +43,48 @@ def event_end(data: bytes) -> bytes | None:
     return CRLF_END if lf == cr + 1 else b""
 
 
+class LongEvent:
+    """The rest of an event that outgrew ``MAX_HELD_BYTES``, passed on as it comes:
+    ``split`` finds where it ends, across reads (``tail``: the bytes already passed
+    that an event end cut by a read may begin in)."""
+
+    __slots__ = ("end", "tail")
+
+    def __init__(self, end: bytes, passed: bytes) -> None:
+        self.end = end
+        self.tail = passed[1 - len(end) :]
+
+    def split(self, chunk: bytes) -> int:
+        """Where in ``chunk`` the event has ended (after its blank line); -1: not yet."""
+        probe = self.tail + chunk
+        at = probe.find(self.end)
+        if at < 0:
+            self.tail = probe[1 - len(self.end) :]
+            return -1
+        return at + len(self.end) - len(self.tail)
+
+
 class SseFramer:
     """Feeds on the replica's bytes; returns the whole events among them."""
 
-    __slots__ = ("_end", "_held", "_passthrough")
+    __slots__ = ("_end", "_held", "_long", "_passthrough")
 
     def __init__(self) -> None:
         self._held = b""
         self._passthrough = False
         #: The stream's event end, once its first line end has been seen.
         self._end: bytes | None = None
+        self._long: LongEvent | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         if self._passthrough:
             return chunk
+        if self._long is not None:
+            at = self._long.split(chunk)
+            if at < 0:
+                return chunk
+            self._long = None
+            return chunk[:at] + self.feed(chunk[at:]) if at < len(chunk) else chunk
         end_of_event = self._end
         if end_of_event is LF_END:
             if not self._held and chunk.endswith(LF_END):
@@ -80,7 +109,10 @@ class SseFramer:
         """No event ends in ``data`` yet: held, unless it has grown past the bound."""
         self._held = data
         if len(data) > MAX_HELD_BYTES:
-            self._passthrough = True
+            if self._end:
+                self._long = LongEvent(self._end, data)
+            else:  # not even a line has ended: no framing to come back to
+                self._passthrough = True
             return self.flush()
         return b""
 

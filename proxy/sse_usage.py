@@ -8,8 +8,9 @@ kept events are passed through untouched, in the same order, with the same
 separators. Only complete events (ending in a blank line, ``\\n\\n`` or
 ``\\r\\n\\r\\n`` as the stream's first line end says: ``sse_frames.event_end``)
 are passed on, so an event is never cut in two; a stream with bare ``\\r``
-line ends, and an event that grows past ``sse_frames.MAX_HELD_BYTES``
-without ending, are passed through as they are. No I/O here.
+line ends is passed through as it is, and an event that grows past
+``sse_frames.MAX_HELD_BYTES`` without ending is passed on as it comes, up to
+its end (``sse_frames.LongEvent``). No I/O here.
 
 Known difference: llama.cpp puts its ``timings`` object in the last chunk it
 sends, which with ``include_usage`` is the usage chunk, so a llama.cpp
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from proxy.sse_frames import MAX_HELD_BYTES, event_end
+from proxy.sse_frames import MAX_HELD_BYTES, LongEvent, event_end
 
 #: ``"usage":null`` with the comma that joins it to its neighbour (after or before it).
 _NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
@@ -47,19 +48,26 @@ def _added_usage_chunk(event: bytes) -> bool:
 class UsageStripper:
     """Feeds on the replica's bytes; returns what the client would have received."""
 
-    __slots__ = ("_end", "_passthrough", "_pending", "stripped")
+    __slots__ = ("_end", "_long", "_passthrough", "_pending", "stripped")
 
     def __init__(self) -> None:
         self._pending = b""
         self._passthrough = False
         #: The stream's event end, once its first line end has been seen.
         self._end: bytes | None = None
+        self._long: LongEvent | None = None
         #: Usage chunks removed (tests and the benchmark read it).
         self.stripped = 0
 
     def feed(self, chunk: bytes) -> bytes:
         if self._passthrough:
             return chunk
+        if self._long is not None:
+            at = self._long.split(chunk)
+            if at < 0:
+                return chunk
+            self._long = None
+            return chunk[:at] + self.feed(chunk[at:]) if at < len(chunk) else chunk
         data = self._pending + chunk if self._pending else chunk
         separator = self._end
         if separator is None:
@@ -72,7 +80,10 @@ class UsageStripper:
         if separator is None or end < 0:
             self._pending = data
             if len(data) > MAX_HELD_BYTES:
-                self._passthrough = True
+                if separator:
+                    self._long = LongEvent(separator, data)
+                else:  # not even a line has ended: no framing to come back to
+                    self._passthrough = True
                 return self.flush()
             return b""
         cut = end + len(separator)

@@ -255,6 +255,33 @@ def test_the_stripper_holds_an_endless_event_no_longer_than_the_framer_does() ->
     assert stripper.feed(b"y") == b"y"
 
 
+@pytest.mark.parametrize("end", [LF, CRLF], ids=["lf", "crlf"])
+def test_after_an_event_longer_than_the_bound_events_are_whole_and_stripped_again(
+    end: bytes,
+) -> None:
+    """An event past ``MAX_HELD_BYTES`` is passed on as it comes; the events after it
+    come out whole again and the usage chunk is still removed (the framer used to pass
+    the rest of the stream as it came, and the stripper to hold the event whole)."""
+    long_event = b"data: " + b"x" * (2 * MAX_HELD_BYTES) + end
+    after = [chunk("b", end), usage_chunk(end), b"data: [DONE]" + end]
+    stream = b"".join([chunk("a", end), long_event, *after])
+    tail_start = len(stream) - len(b"".join(after))
+    step = 65_536
+    cuts = sorted({*range(step, len(stream), step), tail_start - 1, tail_start + 5})
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    framer, stripper = SseFramer(), UsageStripper()
+    framed, stripped, passed = [], [], 0
+    for piece in pieces:
+        out = framer.feed(piece)
+        if passed + len(out) > tail_start:  # reaches past the long event: ends whole
+            assert out.endswith(end)
+        passed += len(out)
+        framed.append(out)
+        stripped.append(stripper.feed(piece))
+    assert b"".join([*framed, framer.flush()]) == stream
+    assert b"".join([*stripped, stripper.flush()]) == stream.replace(usage_chunk(end), b"")
+
+
 # -- an answer that is whole at [DONE] ------------------------------------------------------
 
 
