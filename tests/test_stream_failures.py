@@ -332,20 +332,31 @@ async def test_the_seat_goes_back_at_done_not_at_the_http_terminator(
 # -- the replica breaks off mid-stream ------------------------------------------------------
 
 
-@pytest.mark.parametrize("end", ["abort", "truncated_chunk", "no_terminator"])
+#: How a replica's stream ends after its first tokens, and what the operator sees.
+BREAKS = {
+    "abort": ("failed", "upstream_protocol_error"),
+    "truncated_chunk": ("failed", "upstream_protocol_error"),
+    "no_terminator": ("failed", "upstream_protocol_error"),
+    "stall": ("timed_out", "idle_timeout"),
+}
+
+
+@pytest.mark.parametrize("end", sorted(BREAKS))
 @pytest.mark.parametrize("path", [CHAT, TGI])
 async def test_a_stream_broken_after_the_first_byte_is_reported_not_retried(
     start_proxy: Start, scripted: TestServer, path: str, end: str
 ) -> None:
-    """A reset, a chunk cut short or a connection closed without the last chunk, after
-    the first tokens reached the client: an SSE error event ends the stream
-    (OpenAI-style and TGI's ``/generate_stream``), no second attempt is made whatever
-    ``retry_on`` says, the access log and ``/metrics`` name the failure, and the quota
-    is charged the tokens relayed."""
+    """A reset, a chunk cut short, a connection closed without the last chunk or a
+    stall past ``idle_ms``, after the first tokens reached the client: an SSE error
+    event ends the stream (OpenAI-style and TGI's ``/generate_stream``), no second
+    attempt is made whatever ``retry_on`` says, the access log and ``/metrics`` name the
+    failure, and the quota is charged the tokens relayed."""
+    outcome, reason = BREAKS[end]
     retry = {"max_attempts": 3, "base_backoff_ms": 1, "retry_on": [
         "connect_error", "connect_timeout", "first_byte_timeout", "reset_before_first_byte",
         "http_500", "http_502", "http_503", "http_504"]}  # fmt: skip
-    proxy = await start(start_proxy, [_url(scripted)], quota=True, retry=retry)
+    timeouts = {"idle_ms": 300}
+    proxy = await start(start_proxy, [_url(scripted)], quota=True, retry=retry, timeouts=timeouts)
     token = tgi_token if path == TGI else chunk
     body = {"inputs": "x", "parameters": {"max_new_tokens": 50}} if path == TGI else {
         "messages": [], "max_tokens": 50}  # fmt: skip
@@ -363,15 +374,15 @@ async def test_a_stream_broken_after_the_first_byte_is_reported_not_retried(
             raw += await resp.read()
     *tokens, error = [json.loads(p) for p in sse_payloads(raw)]
     assert len(tokens) == 2
-    assert error["error"]["code"] == "upstream_protocol_error"
+    assert error["error"]["code"] == reason
     assert len(scripted.app[SCRIPT].bodies) == 1, "never retried after the first byte"
     (line,) = await proxy.lines(1)
-    assert (line["outcome"], line["reason"], line["attempts"]) == (
-        "failed", "upstream_protocol_error", 1)  # fmt: skip
+    assert (line["outcome"], line["reason"], line["attempts"]) == (outcome, reason, 1)
     assert line["quota_actual_tokens"] == estimate(body) + 2  # the two tokens relayed
     metrics = await (await proxy.under_test.client.get("/metrics")).text()
-    reasons = samples_by_label(metrics, "admission_requests_total", "reason")
-    assert reasons == {"upstream_protocol_error": 1.0}
+    assert samples_by_label(metrics, "admission_requests_total", "reason") == {reason: 1.0}
+    # A break counts toward the replica's ejection; a stall is for the probes to judge.
+    assert proxy.under_test.runtime.pool.replicas[0].failures == (end != "stall")
     proxy.under_test.assert_idle()
 
 
