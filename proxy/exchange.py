@@ -59,6 +59,7 @@ class Exchange:
     """One admitted request on its way to a replica and back."""
 
     __slots__ = (
+        "_answered_by",
         "_upstream",
         "admitted",
         "attempts",
@@ -89,6 +90,8 @@ class Exchange:
         self.seat: Seat | None = None
         self.attempts = 0
         self.relayed = Relayed()
+        #: The replica whose answer is being relayed, until its health has heard how it ended.
+        self._answered_by: Replica | None = None
         self._upstream = _upstream_request(request, admitted)
 
     @property
@@ -144,6 +147,7 @@ class Exchange:
                 grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
             raise
         finally:
+            self._judge_answer()
             self._finish(ticket, grace_s)
 
     def _enqueue(self) -> Ticket:
@@ -190,6 +194,25 @@ class Exchange:
         headers = {"X-Request-Id": record.request_id, "Server-Timing": record.server_timing()}
         return web.json_response(answer, headers=headers)
 
+    def _judge_answer(self) -> None:
+        """The replica's health hears how its answer ended, not only that it began.
+
+        An answer the relay passed on to its end (or until its client left)
+        is the replica's success; one it broke off after the commit point (a
+        reset, a replica that died mid-stream) is a failure like a reset before
+        the first byte, so a replica that breaks every stream it starts is
+        ejected as one that refuses them is. Judged at the end, not at the
+        commit point: a success there would clear the count of every break.
+        """
+        replica, self._answered_by = self._answered_by, None
+        if replica is None:
+            return
+        relayed = self.relayed
+        if relayed.failure is not None:
+            self.runtime.health.attempt_failed(replica, relayed.failure)
+        elif relayed.ending != "broken":  # completed, or its client left ("relaying": mid-read)
+            self.runtime.health.attempt_succeeded(replica)
+
     def _upstream_finished(self) -> None:
         """The replica finished: its seat goes back now, not after the client drains."""
         if self.seat is not None and self.ticket is not None:
@@ -231,7 +254,7 @@ class Exchange:
             else:
                 retry_class = status_class(committed.status)
                 if retry_class is None:
-                    runtime.health.attempt_succeeded(replica)
+                    self._answered_by = replica  # judged when its answer has ended
                     return committed
                 runtime.health.attempt_failed(replica, None, committed.status)
                 failure = committed

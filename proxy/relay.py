@@ -73,6 +73,9 @@ class Relayed:
     upstream_done: bool = False
     input_tokens: int | None = None
     output_tokens: int | None = None
+    #: What broke the answer after the commit point ("broken"): the replica's
+    #: health hears of it (``Exchange``), as it hears of a failed attempt.
+    failure: ProxyError | None = None
 
 
 def end_to_end_headers(
@@ -170,9 +173,10 @@ async def relay(
 
     Never raises ``ProxyError``: a failure after the commit point is recorded
     on ``record`` and ``relayed`` and ends the answer; a client that left is
-    recorded as cancelled. ``on_upstream_done`` runs once the replica's answer has ended,
-    before the last bytes are flushed to the client: the replica's seat is
-    free from then on, however slowly the client reads. ``strip_usage``: the
+    recorded as cancelled. ``on_upstream_done`` runs once, when the replica's answer
+    has ended (at an SSE ``[DONE]``, or its last byte), before the last bytes are
+    flushed to the client: the replica's seat is free from then on, however
+    slowly the client reads. ``strip_usage``: the
     proxy asked for this stream's usage (``usage_request.py``); what that added
     is removed from what the client gets (``sse_usage.UsageStripper``).
     """
@@ -203,8 +207,12 @@ async def relay(
             if meter is not None:
                 # The clock matters only until the first token (TTFT).
                 meter.feed(chunk, clock.now() if meter.first_token_at is None else 0.0)
-                if meter.done:
+                if meter.done and not relayed.upstream_done:
+                    # The engine finished at ``[DONE]``: its seat is free from now
+                    # on, whenever (or whether) the HTTP terminator follows.
                     relayed.upstream_done = True
+                    if on_upstream_done is not None:
+                        on_upstream_done()
             elif batch is not None:
                 batch.feed(chunk)
             elif kept is not None:
@@ -220,10 +228,18 @@ async def relay(
                 await response.write(chunk)
             elif out := strip.feed(chunk):
                 await response.write(out)
-            chunk = await reader.read()
-        relayed.upstream_done = True
-        if on_upstream_done is not None:
-            on_upstream_done()
+            try:
+                chunk = await reader.read()
+            except ProxyError:
+                if not relayed.upstream_done:
+                    raise
+                # The engine said ``[DONE]``: the answer is whole, and a connection
+                # lost (or stalled) before the HTTP terminator lost none of it.
+                chunk = b""
+        if not relayed.upstream_done:
+            relayed.upstream_done = True
+            if on_upstream_done is not None:
+                on_upstream_done()
         rest = strip.flush() if strip is not None else framer.flush() if framer else b""
         if rest:
             await response.write(rest)
@@ -239,7 +255,7 @@ async def relay(
             relayed.ending = "cancelled"
             record.cancel()
     except ProxyError as err:
-        relayed.ending = "broken"
+        relayed.ending, relayed.failure = "broken", err
         record.fail(err)
         reader.close()  # the error event has its own bound (_end_broken)
         await _end_broken(request, response, err, is_sse, grace_s=idle_s)
@@ -249,7 +265,8 @@ async def relay(
         # The total deadline came while the client was still taking the answer:
         # an error event would wait on the same client, so the connection is cut.
         relayed.ending = "broken"
-        record.fail(TotalTimeout("the request's total budget ran out while the client read"))
+        relayed.failure = TotalTimeout("the request's total budget ran out while the client read")
+        record.fail(relayed.failure)
         if request.transport is not None:
             request.transport.abort()
     finally:

@@ -260,7 +260,10 @@ def translate(exc: aiohttp.ClientError, replica: Replica) -> ProxyError:
         return ResetBeforeFirstByte(f"{where}: connection closed before the first byte")
     if isinstance(exc, aiohttp.ClientPayloadError):
         return ResetBeforeFirstByte(f"{where}: broken response before the first byte")
-    return UpstreamProtocolError(f"{where}: {type(exc).__name__}: {exc}")
+    # A response aiohttp could not parse: its message, not its ``str``, which
+    # names the replica's URL (an address the client is never told).
+    detail = exc.message if isinstance(exc, aiohttp.ClientResponseError) else exc
+    return UpstreamProtocolError(f"{where}: {type(exc).__name__}: {detail}")
 
 
 class AnswerReader:

@@ -30,4 +30,7 @@ def request_usage(doc: dict[str, Any]) -> dict[str, Any] | None:
         return {**doc, "stream_options": {"include_usage": True}}
     if not isinstance(options, dict) or options.get("include_usage") is True:
         return None
-    return {**doc, "stream_options": {**options, "include_usage": True}}
+    # vLLM's ``continuous_usage_stats`` does nothing without ``include_usage``; with
+    # it, every chunk would carry a usage object the client never got before.
+    kept = {key: value for key, value in options.items() if key != "continuous_usage_stats"}
+    return {**doc, "stream_options": {**kept, "include_usage": True}}

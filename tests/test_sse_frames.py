@@ -56,11 +56,13 @@ def test_whole_events_pass_at_once_as_the_same_object() -> None:
         assert framer.feed(event) is event
 
 
-def test_crlf_framing_and_an_endless_event_pass_as_they_come() -> None:
-    """``\\r\\n`` streams are not cut at ``\\n\\n``; an event past the bound is not held."""
-    crlf = SseFramer()
-    assert crlf.feed(b"data: {}\r\n") == b"data: {}\r\n"
-    assert crlf.feed(b"\r\ndata: x") == b"\r\ndata: x"
+def test_bare_cr_framing_and_an_endless_event_pass_as_they_come() -> None:
+    """A stream with bare ``\\r`` line ends is not cut; an event past the bound is not held.
+    (``\\r\\n`` streams are cut at ``\\r\\n\\r\\n``: tests/test_stream_failures.py.)"""
+    bare = SseFramer()
+    assert bare.feed(b"data: {}\r") == b""  # the byte after its first \r decides
+    assert bare.feed(b"\rdata: x") == b"data: {}\r\rdata: x"
+    assert bare.feed(b"\r") == b"\r"
     endless = SseFramer()
     assert endless.feed(b"data: " + b"x" * 10) == b""
     big = b"x" * MAX_HELD_BYTES
