@@ -51,6 +51,10 @@ NOT_FORWARDED = HOP_BY_HOP | {
     "authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
     "x-request-timeout-ms", "x-request-id", "x-forwarded-for",
 }  # fmt: skip
+#: Content codings aiohttp's HTTP parser decodes before the entrance reads the body.
+#: A body sent in one of them reaches the replica decoded, so its label must not:
+#: an engine that honours it would try to decode the JSON again and fail.
+DECODED_CODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 #: Methods whose repeat has no effect of its own (RFC 9110 section 9.2.1).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -336,6 +340,9 @@ class Exchange:
 
 def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamRequest:
     headers = end_to_end_headers(request.headers, NOT_FORWARDED)
+    codings = request.headers.getall("Content-Encoding", ())
+    if any(coding.strip().lower() in DECODED_CODINGS for coding in codings):
+        del headers["Content-Encoding"]  # every one: the body is no longer encoded
     forwarded = request.headers.get("X-Forwarded-For")
     peer = request.remote or ""
     headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer

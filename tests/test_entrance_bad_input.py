@@ -1,0 +1,80 @@
+"""Bad input the entrance fuzz found, one case each: content codings.
+
+Against the real proxy and the fake upstream (an aiohttp app, so it decodes a
+``Content-Encoding`` body as aiohttp's server does), or
+the simulator where a real answer and a token quota matter.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from proxy.sim import SimConfig, SimServer, start_sim
+from tests.conftest import ProxyUnderTest
+from tests.helpers import KEY_A, make_config
+from tests.upstreams import Upstream
+
+Start = Callable[..., Awaitable[ProxyUnderTest]]
+CHAT = "/v1/chat/completions"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
+DOC = {"model": "sim-model", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+CODINGS: dict[str, Callable[[bytes], bytes]] = {"gzip": gzip.compress, "deflate": zlib.compress}
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimServer]:
+    server = await start_sim(SimConfig(slots=4, decode_base_ms=1.0, decode_per_seq_ms=0.0))
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("coding", sorted(CODINGS))
+async def test_a_compressed_body_reaches_the_replica_decoded_and_unlabelled(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream, coding: str
+) -> None:
+    """A gzip or deflate body: aiohttp decodes it before the entrance reads it, so the
+    replica gets the decoded JSON without ``Content-Encoding`` and answers 200 (it used
+    to get the label too, fail to decode the JSON again, and answer 500, which retried
+    the request and counted towards ejecting the replica)."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    body = CODINGS[coding](json.dumps(DOC).encode())
+    headers = {**AUTH, "Content-Type": "application/json", "Content-Encoding": coding}
+    resp = await proxy.client.post(CHAT, data=body, headers=headers)
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["usage"]["completion_tokens"] == 3
+    assert [h.get("Content-Encoding") for h in upstream_state.seen] == [None]
+    assert proxy.runtime.pool.replicas[0].serving
+    proxy.assert_idle()
+
+
+async def test_a_coding_the_proxy_does_not_decode_keeps_its_label(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """A coding aiohttp leaves alone reaches the replica as sent, label included: the
+    replica judges that body (the proxy forwards it on a route it does not parse)."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(
+        "/tokenize", data=b"\x01\x02", headers={**AUTH, "Content-Encoding": "x-custom"}
+    )
+    assert resp.status == 200
+    assert upstream_state.seen[-1]["Content-Encoding"] == "x-custom"
+    proxy.assert_idle()
+
+
+async def test_a_compressed_stream_request_streams(start_proxy: Start, sim: SimServer) -> None:
+    """``stream: true`` in a gzip body: the simulator streams every token back."""
+    proxy = await start_proxy(make_config([sim.url]))
+    body = gzip.compress(json.dumps({**DOC, "stream": True}).encode())
+    resp = await proxy.client.post(CHAT, data=body, headers={**AUTH, "Content-Encoding": "gzip"})
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in (await resp.text()).splitlines() if line.startswith("data: {")]
+    assert len(events) >= 3
+    proxy.assert_idle()
