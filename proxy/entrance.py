@@ -28,7 +28,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
@@ -133,6 +133,22 @@ def error_answer(
     if isinstance(err, MethodNotAllowed):
         headers["Allow"] = ", ".join(err.allow)
     return web.json_response(body, status=err.status, headers=headers)
+
+
+async def expect_continue(request: web.Request) -> None:
+    """Every route's ``Expect`` handler, run before the handler itself.
+
+    ``100-continue`` is answered at once, as aiohttp does. Any other
+    expectation is ignored, as nginx does (RFC 9110 section 10.1.1 allows
+    it): aiohttp's own answer would be a plain-text 417 that quotes the
+    value, with none of the proxy's headers. The header is never forwarded
+    (``exchange.NOT_FORWARDED``): the proxy has the whole body by then.
+    """
+    if request.version < HttpVersion11:
+        return
+    if request.headers.get("Expect", "").strip().lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes are still to come
 
 
 def bearer_token(authorization: str) -> str | None:

@@ -49,7 +49,7 @@ from proxy.upstream import Committed, UpstreamRequest, attempt
 #: or sets itself (the client's API key among them).
 NOT_FORWARDED = HOP_BY_HOP | {
     "authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
-    "x-request-timeout-ms", "x-request-id", "x-forwarded-for",
+    "x-request-timeout-ms", "x-request-id", "x-forwarded-for", "expect",
 }  # fmt: skip
 #: Content codings aiohttp's HTTP parser decodes before the entrance reads the body.
 #: A body sent in one of them reaches the replica decoded, so its label must not:

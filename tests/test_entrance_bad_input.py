@@ -1,12 +1,13 @@
-"""Bad input the entrance fuzz found, one case each: content codings.
+"""Bad input the entrance fuzz found, one case each: content codings, ``Expect``.
 
 Against the real proxy and the fake upstream (an aiohttp app, so it decodes a
-``Content-Encoding`` body as aiohttp's server does), or
+``Content-Encoding`` body and honours ``Expect`` as aiohttp's server does), or
 the simulator where a real answer and a token quota matter.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import zlib
@@ -77,4 +78,51 @@ async def test_a_compressed_stream_request_streams(start_proxy: Start, sim: SimS
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     events = [line for line in (await resp.text()).splitlines() if line.startswith("data: {")]
     assert len(events) >= 3
+    proxy.assert_idle()
+
+
+@pytest.mark.parametrize("expect", ["200-maybe", "100-continue, later", "\u00e9"])
+@pytest.mark.parametrize("path", [CHAT, "/healthz", "/admin/state"])
+async def test_an_unknown_expectation_is_ignored_not_answered_417(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream, expect: str, path: str
+) -> None:
+    """An ``Expect`` other than ``100-continue`` is ignored (RFC 9110 allows it): the
+    request gets its usual answer with ``X-Request-Id``, not aiohttp's plain-text 417
+    that quoted the value; the replica never sees the header."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(path, json=DOC, headers={**AUTH, "Expect": expect})
+    assert resp.status != 417
+    assert "X-Request-Id" in resp.headers
+    assert expect not in await resp.text()
+    if path == CHAT:
+        assert resp.status == 200
+        assert "Expect" not in upstream_state.seen[-1]
+    else:
+        assert resp.headers.get("Content-Type", "").startswith("application/json")
+    proxy.assert_idle()
+
+
+async def test_100_continue_is_answered_and_not_forwarded(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """``Expect: 100-continue``: the client gets its ``100 Continue`` and its answer; the
+    replica gets the whole body without the expectation (the proxy has the body)."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    host, port = proxy.client.host, proxy.client.port
+    reader, writer = await asyncio.open_connection(host, port)
+    body = json.dumps(DOC).encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    try:
+        async with asyncio.timeout(10):
+            writer.write(head.encode())
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(body)
+            answer = await reader.read()
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert "Expect" not in upstream_state.seen[-1]
     proxy.assert_idle()

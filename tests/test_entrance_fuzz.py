@@ -428,6 +428,7 @@ HEADER_VALUES: dict[str, st.SearchStrategy[bytes]] = {
     "traceparent": st.sampled_from(
         [b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", b"zz"]
     ),
+    "Expect": st.sampled_from([b"100-continue", b"200-maybe", b""]),
 }
 header_lists = st.lists(
     st.sampled_from(sorted(HEADER_VALUES)).flatmap(
