@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import MutableMapping
 from typing import Any
@@ -585,10 +586,26 @@ def _parse_json(body: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        raise BadRequest(f"request body is not valid JSON: {_json_problem(exc)}") from exc
     if not isinstance(doc, dict):
         raise BadRequest("the body of an inference route must be a JSON object")
     return doc
+
+
+def _json_problem(exc: ValueError | RecursionError) -> str:
+    """What is wrong with a body ``json.loads`` refused, quoting nothing of it.
+
+    A syntax error says where (its own message holds no input); the decoder's
+    other errors would quote a byte of the body (``UnicodeDecodeError``) or
+    name Python's settings (a number past the integer digit limit).
+    """
+    if isinstance(exc, json.JSONDecodeError):
+        return str(exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return "the body is not UTF-8 text"
+    if isinstance(exc, RecursionError):
+        return f"nested deeper than {MAX_JSON_DEPTH} levels"
+    return f"a number holds more than {sys.get_int_max_str_digits()} digits"
 
 
 def json_too_deep(body: bytes, limit: int) -> bool:

@@ -1,4 +1,4 @@
-"""Bad input the entrance fuzz found, one case each: content codings, ``Expect``.
+"""Bad input the entrance fuzz found, one case each: content codings, ``Expect``, bad JSON.
 
 Against the real proxy and the fake upstream (an aiohttp app, so it decodes a
 ``Content-Encoding`` body and honours ``Expect`` as aiohttp's server does), or
@@ -125,4 +125,33 @@ async def test_100_continue_is_answered_and_not_forwarded(
         writer.close()
     assert answer.startswith(b"HTTP/1.1 200 ")
     assert "Expect" not in upstream_state.seen[-1]
+    proxy.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'\xff{"model": "x"}', "request body is not valid JSON: the body is not UTF-8 text"),
+        (
+            b'{"max_tokens": 1' + b"0" * 5000 + b"}",
+            "request body is not valid JSON: a number holds more than 4300 digits",
+        ),
+        (
+            b'{"model": ',
+            "request body is not valid JSON: Expecting value: line 1 column 11 (char 10)",
+        ),
+    ],
+    ids=["not-utf8", "huge-number", "cut-short"],
+)
+async def test_an_invalid_json_body_is_described_without_quoting_it(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream, body: bytes, message: str
+) -> None:
+    """400 bad_request says what is wrong and where, never a byte of the body (the
+    decoder's own message quoted one) or Python's settings (``set_int_max_str_digits``)."""
+    proxy = await start_proxy(make_config([upstream_url]))
+    resp = await proxy.client.post(CHAT, data=body, headers=AUTH)
+    assert resp.status == 400
+    assert resp.headers["X-Admission-Reason"] == "bad_request"
+    assert (await resp.json())["error"]["message"] == message
+    assert upstream_state.seen == []
     proxy.assert_idle()
