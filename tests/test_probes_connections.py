@@ -372,6 +372,30 @@ async def test_a_broken_chunk_after_the_head_is_answered_400_at_once(
     assert _client_requests(upstream_state) == before
 
 
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_a_body_that_does_not_decode_is_answered_400_and_logged_no_error(
+    start_listener: StartListener, upstream_state: Upstream, coding: str
+) -> None:
+    """A body labelled gzip (or deflate) that is not: 400 bad_request "malformed HTTP
+    request body", nothing forwarded, and no error-level log line (the rest of the body,
+    read after the answer, fails again; that used to log "server error" for each such
+    client, which an operator's alert on errors would page for)."""
+    proxy = await start_listener()
+    before = _client_requests(upstream_state)
+    body = b"not compressed at all"
+    raw = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Content-Encoding: {coding}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    with capture_logs() as logs:
+        got = await _exchange(proxy.port, raw)
+        await wait_for(lambda: proxy.listener.open == 0)
+    assert got.status == 400 and got.headers["X-Admission-Reason"] == "bad_request"
+    assert got.json()["error"]["message"] == "malformed HTTP request body"
+    assert [entry for entry in logs if entry["log_level"] == "error"] == []
+    assert _client_requests(upstream_state) == before
+
+
 @pytest.mark.parametrize(
     "request_line",
     ["OPTIONS * HTTP/1.1", "CONNECT gpu.internal:443 HTTP/1.1", "GET gpu.internal:443 HTTP/1.1"],
