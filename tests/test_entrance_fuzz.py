@@ -83,10 +83,13 @@ _VALID_REQUEST_ID = re.compile(r"[!-~]{1,128}")
 
 @dataclass
 class Fleet:
-    """The proxy under test, reached on ``port``, and its live runtime."""
+    """The proxy under test, reached on ``port``, its live runtime and its access log."""
 
     port: int
     runtime: Runtime
+    access: io.StringIO
+    #: How much of ``access`` the checks have read.
+    read: int = 0
 
     def idle(self) -> bool:
         runtime = self.runtime
@@ -97,9 +100,19 @@ class Fleet:
             and not runtime.active
         )
 
+    def new_lines(self) -> list[dict[str, Any]]:
+        """The access lines written since the last call, each parsed (it must parse)."""
+        text = self.access.getvalue()
+        lines, self.read = text[self.read :], len(text)
+        return [json.loads(line) for line in lines.splitlines()]
 
-def fleet_config(alpha: str, beta: str) -> dict[str, Any]:
-    return {
+
+def fleet_config(alpha: str, beta: str, mode: str) -> dict[str, Any]:
+    """Two pools (``alpha``, ``beta``) with the alias ``mini``; tenant ``a`` with a token
+    quota and a request rate, ``b`` limited to ``mini``. ``observe`` mode runs the
+    entrance's other branch (refusals recorded, not made) with prefix affinity on."""
+    config: dict[str, Any] = {
+        "mode": mode,
         "replicas": [
             {"name": "r0", "url": alpha, "max_concurrency": 4, "models": ["alpha"]},
             {"name": "r1", "url": beta, "max_concurrency": 4, "models": ["beta"]},
@@ -118,17 +131,22 @@ def fleet_config(alpha: str, beta: str) -> dict[str, Any]:
         "server": {"max_body_bytes": MAX_BODY, "entrance_ms": 5000},
         "budgets": {"queue_ms": 2000, "first_byte_ms": 5000, "total_ms": 10_000},
     }
+    if mode == "observe":
+        config["routing"] = {"policy": "prefix_affinity"}
+    return config
 
 
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
+@pytest.fixture(params=["enforce", "observe"])
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
     sims: list[SimServer] = []
     runner: ProxyRunner | None = None
     try:
         for name in ("alpha", "beta"):
             sims.append(await start_sim(replace(SIM, model_name=name)))
-        config = parse_config(yaml.safe_dump(fleet_config(sims[0].url, sims[1].url)))
-        app = build_app(config, seed=1, access_log=io.StringIO())
+        document = fleet_config(sims[0].url, sims[1].url, request.param)
+        config = parse_config(yaml.safe_dump(document))
+        access = io.StringIO()
+        app = build_app(config, seed=1, access_log=access)
         runner = ProxyRunner(app, config.server, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -137,7 +155,7 @@ async def fleet() -> AsyncIterator[Fleet]:
         assert port is not None
         runtime = app[RUNTIME]
         await wait_for(lambda: all(r.serving for r in runtime.pool.replicas), timeout_s=15.0)
-        yield Fleet(port, runtime)
+        yield Fleet(port, runtime, access)
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -256,8 +274,16 @@ def check_answer(answer: Answer, method: str, sent_request_id: bytes | None) -> 
 
 
 async def settled(fleet: Fleet) -> None:
-    """Nothing held after the answer: no seat, no queued ticket, no request in flight."""
+    """Nothing held after the answer: no seat, no queued ticket, no request in flight;
+    each request logged once, and every token charge corrected (to 0 unless a replica
+    answered it with a 2xx)."""
     await wait_for(fleet.idle, timeout_s=EXCHANGE_S)
+    for line in fleet.new_lines():
+        assert line["status"] != 500, line
+        if line["quota_charged_tokens"] is not None:
+            assert line["quota_actual_tokens"] is not None, line
+            if not 200 <= line["status"] < 300:
+                assert line["quota_actual_tokens"] == 0, line
 
 
 # --- the generated input ---
@@ -330,8 +356,8 @@ odd_value = st.recursive(
 
 
 def mostly(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """A field that is well formed three times in four, so that the steps after it run too."""
-    return st.integers(min_value=0, max_value=3).flatmap(lambda i: odd_value if i == 0 else valid)
+    """A field that is well formed four times in five, so that the steps after it run too."""
+    return st.integers(min_value=0, max_value=4).flatmap(lambda i: odd_value if i == 0 else valid)
 
 
 messages = mostly(
@@ -339,28 +365,28 @@ messages = mostly(
         [
             [{"role": "user", "content": "hi"}],
             [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            [],
-            [[{"role": "user"}]],
         ]
     )
 )
 
 
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "max_tokens": mostly(st.integers(min_value=-3, max_value=600)),
-    "max_completion_tokens": mostly(st.integers(min_value=-3, max_value=600)),
+    "max_tokens": mostly(st.integers(min_value=1, max_value=40)),
+    "max_completion_tokens": mostly(st.integers(min_value=1, max_value=40)),
     "n": mostly(st.integers(min_value=-2, max_value=4)),
     "best_of": mostly(st.integers(min_value=-2, max_value=4)),
     "stream": mostly(st.booleans()),
     "stream_options": mostly(st.sampled_from([{"include_usage": True}, {}, None])),
-    "messages": messages,
-    "prompt": mostly(st.sampled_from(["hello", [[1, 2], [3]], [1, "a"], ["a", "b"]])),
     "n_predict": odd_value,
     "sampling_params": odd_value,
     "parameters": odd_value,
 }
 models = mostly(st.sampled_from(["alpha", "beta", "mini"]))
-documents = st.fixed_dictionaries({"model": models}, optional=FIELDS)
+#: Chat reads ``messages``, completions ``prompt``: each present, and usually valid.
+prompts = mostly(st.sampled_from(["hello", ["a", "b"], [1, 2], [[1, 2], [3]], [1, "a"], []]))
+documents = st.fixed_dictionaries(
+    {"model": models, "messages": messages, "prompt": prompts}, optional=FIELDS
+)
 
 
 def _dump(doc: Any) -> bytes:
@@ -412,7 +438,7 @@ HEADER_VALUES: dict[str, st.SearchStrategy[bytes]] = {
         [b"interactive", b"BATCH", b" standard ", b"urgent", b"", b"\xe2\x98\x83"]
     ),
     "X-Request-Timeout-Ms": st.sampled_from(
-        [b"1500", b"0", b"-1", b"1e3", b"99999999999", b"\xd9\xa5", b" 20 ", b""]
+        [b"1500", b"1", b"0", b"-1", b"1e3", b"99999999999", b"\xd9\xa5", b" 20 ", b""]
     ),
     "X-Request-Id": st.one_of(
         st.sampled_from([b"abc-123", b"", b"a" * 129, b"a" * 128, b"\xff\xfe", b"id with space"]),
@@ -451,6 +477,9 @@ FUZZ = settings(
 )
 INFERENCE_ROUTES = [
     "/v1/chat/completions",
+    "/v1/chat/completions",
+    "/v1/chat/completions",
+    "/v1/completions",
     "/v1/completions",
     "/v1/embeddings",
     "/generate",
