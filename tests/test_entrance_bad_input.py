@@ -17,7 +17,7 @@ import pytest
 
 from proxy.sim import SimConfig, SimServer, start_sim
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, make_config
+from tests.helpers import KEY_A, make_config, wait_for
 from tests.upstreams import Upstream
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
@@ -155,3 +155,42 @@ async def test_an_invalid_json_body_is_described_without_quoting_it(
     assert (await resp.json())["error"]["message"] == message
     assert upstream_state.seen == []
     proxy.assert_idle()
+
+
+#: Streamed requests that go wrong before the first byte: (body fields, status, reason).
+BAD_STREAMS = [
+    ({"stream_options": "yes"}, 400, "upstream_status"),
+    ({"stream_options": {"include_usage": "yes"}, "max_tokens": -1}, 400, "upstream_status"),
+    ({"max_tokens": 10**30}, 429, "token_quota_exceeded"),
+    ({"n": 10**6, "max_tokens": 5}, 429, "token_quota_exceeded"),
+    ({"model": ["sim-model"]}, 400, "bad_request"),
+    ({"model": "other"}, 404, "model_not_found"),
+    ({"messages": [[{"role": "user"}]]}, 400, "upstream_status"),
+]
+
+
+@pytest.mark.parametrize(("fields", "status", "reason"), BAD_STREAMS)
+async def test_a_bad_stream_request_is_a_json_error_and_charges_nothing(
+    start_proxy: Start,
+    sim: SimServer,
+    fields: dict[str, object],
+    status: int,
+    reason: str,
+) -> None:
+    """``stream: true`` with a bad field, from a tenant with a token quota: the refusal
+    (the proxy's, or the replica's own passed through) is a JSON answer with its status
+    and reason, not an SSE stream; the charge is corrected to 0; nothing is held."""
+    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_minute": 100_000}}}
+    config = make_config([sim.url], tenants=tenants, model_aliases={"alias": "sim-model"})
+    proxy = await start_proxy(config)
+    await wait_for(lambda: bool(proxy.runtime.models.served_models()))
+    resp = await proxy.client.post(CHAT, json={**DOC, "stream": True, **fields}, headers=AUTH)
+    assert (resp.status, resp.headers["X-Admission-Reason"]) == (status, reason)
+    assert resp.headers["Content-Type"].startswith("application/json")
+    assert "X-Request-Id" in resp.headers and "x-ratelimit-limit-tokens" in resp.headers
+    error = (await resp.json())["error"]
+    if reason != "upstream_status":
+        assert error["code"] == reason and error["type"] == "admission_error"
+    proxy.assert_idle()
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["tenants"]["a"]["quota"]["minute"]["used"] == 0
