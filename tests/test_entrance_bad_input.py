@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from proxy.engine_routes import MAX_OUTPUT_LIMIT
 from proxy.sim import SimConfig, SimServer, start_sim
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config, wait_for
@@ -194,3 +195,39 @@ async def test_a_bad_stream_request_is_a_json_error_and_charges_nothing(
     proxy.assert_idle()
     state = await (await proxy.client.get("/admin/state")).json()
     assert state["tenants"]["a"]["quota"]["minute"]["used"] == 0
+
+
+HUGE = "1" + "0" * 4000  # as long as a JSON number may be; a product of two is longer
+
+
+@pytest.mark.parametrize("mode", ["enforce", "observe"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        f'"max_tokens": {HUGE}, "n": {HUGE}',
+        f'"max_completion_tokens": {HUGE}, "best_of": {HUGE}, "stream": true',
+        f'"sampling_params": [{{"max_new_tokens": {HUGE}, "n": {HUGE}}}]',
+    ],
+    ids=["max_tokens-n", "stream-best_of", "sglang-batch"],
+)
+async def test_huge_output_limits_are_refused_by_the_quota_not_a_500(
+    start_proxy: Start, sim: SimServer, mode: str, fields: str
+) -> None:
+    """An output limit times its sequences, each as long as JSON allows, from a tenant with
+    a token quota: 429 token_quota_exceeded, saying it can never be admitted (in observe
+    mode, forwarded to the replica, whose answer is passed through). Its estimate had more
+    digits than Python writes as text: the refusal's message raised, a 500."""
+    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_minute": 100_000}}}
+    proxy = await start_proxy(make_config([sim.url], tenants=tenants, mode=mode))
+    body = f'{{"model": "sim-model", "messages": [{{"role": "user", "content": "hi"}}], {fields}}}'
+    resp = await proxy.client.post(CHAT, data=body.encode(), headers=AUTH)
+    if mode == "enforce":
+        assert (resp.status, resp.headers["X-Admission-Reason"]) == (429, "token_quota_exceeded")
+        message = (await resp.json())["error"]["message"]
+        prompt = len(body) // 4
+        assert f"estimated at {MAX_OUTPUT_LIMIT + prompt} tokens" in message
+        assert "can never be admitted" in message
+    else:  # the simulator refuses such a max_tokens, and ignores SGLang's sampling_params
+        assert resp.status in (200, 400), await resp.text()
+        assert resp.headers.get("X-Admission-Reason", "upstream_status") == "upstream_status"
+    proxy.assert_idle()
