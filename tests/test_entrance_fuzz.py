@@ -32,6 +32,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
+from opentelemetry.sdk.trace import TracerProvider
 
 from proxy.app import build_app
 from proxy.lifecycle import bound_port
@@ -110,7 +111,8 @@ class Fleet:
 def fleet_config(alpha: str, beta: str, mode: str) -> dict[str, Any]:
     """Two pools (``alpha``, ``beta``) with the alias ``mini``; tenant ``a`` with a token
     quota and a request rate, ``b`` limited to ``mini``. ``observe`` mode runs the
-    entrance's other branch (refusals recorded, not made) with prefix affinity on."""
+    entrance's other branch (refusals recorded, not made) with prefix affinity on, and
+    traces every request."""
     config: dict[str, Any] = {
         "mode": mode,
         "replicas": [
@@ -146,7 +148,9 @@ async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
         document = fleet_config(sims[0].url, sims[1].url, request.param)
         config = parse_config(yaml.safe_dump(document))
         access = io.StringIO()
-        app = build_app(config, seed=1, access_log=access)
+        # Observe mode traces too: every generated traceparent meets the propagator.
+        tracing = TracerProvider() if request.param == "observe" else None
+        app = build_app(config, seed=1, access_log=access, tracer_provider=tracing)
         runner = ProxyRunner(app, config.server, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
