@@ -413,6 +413,7 @@ bodies = st.one_of(
             b"[" * 70 + b"]" * 70,
             b'{"a":' * 70 + b"1" + b"}" * 70,
             b'{"max_tokens": 1' + b"0" * 5000 + b"}",
+            b'{"model": "mini", "max_tokens": 1' + b"0" * 4000 + b', "n": 1' + b"0" * 4000 + b"}",
             b'{"max_tokens": NaN, "model": "mini", "stream": true}',
             b'{"max_tokens": Infinity, "model": "alpha"}',
             b'{"model": "alpha"}{"model": "beta"}',
