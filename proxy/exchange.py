@@ -25,6 +25,7 @@ import asyncio
 from urllib.parse import unquote
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.degrade import DEGRADED_HEADER
@@ -350,7 +351,7 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
     return UpstreamRequest(
         method=request.method,
         path_qs=admitted.path_qs,
-        headers=headers,
+        headers=_writable(headers),
         body=admitted.body,
         streaming=admitted.streaming,
         # Inference routes are safe to repeat before the first byte (docs/REFERENCE.md,
@@ -361,4 +362,20 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
         resend_on_stale=admitted.inference
         or request.method in SAFE_METHODS
         or route_of(admitted.path_qs.partition("?")[0]) in METERED_PATHS,
+    )
+
+
+def _writable(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """The headers with the bytes of a client's value that were not UTF-8 left out.
+
+    aiohttp's parser keeps such bytes as lone surrogates; its C header writer
+    drops them, its pure-Python one (``AIOHTTP_NO_EXTENSIONS``) raised
+    ``UnicodeEncodeError``, a 500. Both now send what the C writer sent. The
+    common case, every value ASCII, is one scan per value and no copy.
+    """
+    if all(value.isascii() for value in headers.values()):
+        return headers
+    return CIMultiDict(
+        (name, value if value.isascii() else value.encode("utf-8", "ignore").decode())
+        for name, value in headers.items()
     )

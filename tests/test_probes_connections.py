@@ -293,6 +293,38 @@ async def test_malformed_requests_get_the_proxys_answer_and_no_key_is_echoed_or_
     assert lf_only == {"c": "BadStatusLine", "python": "BadHttpMessage"}[parser]
 
 
+@pytest.mark.parametrize("parser", ["c", "python"])
+async def test_a_header_value_that_is_not_utf8_is_forwarded_without_those_bytes(
+    tmp_path: Path, upstream_url: str, upstream_state: Upstream, parser: str
+) -> None:
+    """A header the proxy forwards, holding bytes that are not UTF-8: the request is
+    served, and the replica gets the value without those bytes, with either parser.
+    (aiohttp's C header writer dropped them; the pure-Python one raised, a 500.)"""
+    config = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 2}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+    }
+    env = {"AIOHTTP_NO_EXTENSIONS": "1"} if parser == "python" else {}
+    proxy = await _serve(tmp_path, config, {**env, "PYTHONUNBUFFERED": "1"})
+    port = int(proxy.url.rsplit(":", 1)[1])
+    body = b'{"max_tokens": 2}'
+    raw = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY_A}\r\n".encode()
+        + b"X-Custom: ab\xffcd\xc3\xa9\r\nX-Forwarded-For: 10.0.0.1\xfe\r\n"
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    try:
+        got = await _exchange(port, raw)
+    finally:
+        await proxy.stop()
+    assert got.status == 200, got.raw[:500]
+    sent = upstream_state.seen[-1]
+    assert sent["X-Custom"] == "abcd\u00e9"
+    assert sent["X-Forwarded-For"] == "10.0.0.1, 127.0.0.1"
+    assert "Traceback" not in proxy.stderr.read_text() + proxy.stdout.read_text()
+
+
 # -- connection limits, in-process --------------------------------------------------------------
 
 
