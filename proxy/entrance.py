@@ -65,7 +65,7 @@ from proxy.estimators import DEFAULT_OUTPUT_TOKENS
 from proxy.exchange import Exchange
 from proxy.models import ModelRefusal
 from proxy.observe import would
-from proxy.paths import forwardable, normalise_path
+from proxy.paths import checked_query, forwardable, normalise_path
 from proxy.quota_gate import TokenGate, admit_tokens, refusal_headers, settle, settled_headers
 from proxy.quotas import RateTake
 from proxy.record import RequestRecord
@@ -280,6 +280,7 @@ async def _admit(
     record.priority = priority
     client_timeout_ms = _client_timeout_ms(headers)
     path = record.path = normalise_path(record.path)
+    query = checked_query(request.rel_url.raw_query_string)
     # The default class is always allowed: only another one needs the set.
     if priority != tenant_config.priority and priority not in tenant_config.classes():
         allowed = ", ".join(sorted(tenant_config.classes()))
@@ -380,7 +381,7 @@ async def _admit(
         seatless=seatless,
         inference=inference,
         cost=cost,
-        path_qs=path + "?" + query if (query := request.rel_url.raw_query_string) else path,
+        path_qs=path + "?" + query if query else path,
         model=model,
         pool=pool,
         asked=routed.get("model") if model is None and isinstance(routed, dict) else ...,

@@ -325,6 +325,47 @@ async def test_a_header_value_that_is_not_utf8_is_forwarded_without_those_bytes(
     assert "Traceback" not in proxy.stderr.read_text() + proxy.stdout.read_text()
 
 
+@pytest.mark.parametrize("parser", ["c", "python"])
+async def test_a_query_string_outside_visible_ascii_is_refused_by_either_parser(
+    tmp_path: Path, upstream_url: str, upstream_state: Upstream, parser: str
+) -> None:
+    """Raw bytes above ASCII in the query string, UTF-8 or not: 400 bad_request with the
+    error body and X-Request-Id, nothing forwarded, with either parser. (The C parser
+    refused them; the pure-Python one let them through: a UTF-8 one reached the replica,
+    one that is not UTF-8 could not be written to it, a 500.)"""
+    config = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 2}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+    }
+    env = {"AIOHTTP_NO_EXTENSIONS": "1"} if parser == "python" else {}
+    proxy = await _serve(tmp_path, config, {**env, "PYTHONUNBUFFERED": "1"})
+    port = int(proxy.url.rsplit(":", 1)[1])
+    before = _client_requests(upstream_state)
+    body = b'{"max_tokens": 2}'
+    answers = []
+    try:
+        for query in (b"q=\xc3\xa9", b"q=\xff\xfe"):
+            raw = (
+                b"POST "
+                + CHAT.encode()
+                + b"?"
+                + query
+                + b" HTTP/1.1\r\nHost: p\r\n"
+                + f"Authorization: Bearer {KEY_A}\r\nContent-Length: {len(body)}\r\n".encode()
+                + b"Connection: close\r\n\r\n"
+                + body
+            )
+            answers.append(await _exchange(port, raw))
+    finally:
+        await proxy.stop()
+    for got in answers:
+        assert got.status == 400 and got.headers["X-Admission-Reason"] == "bad_request", got.raw
+        assert got.json()["error"]["code"] == "bad_request"
+        assert REQUEST_ID.fullmatch(got.headers["X-Request-Id"])
+    assert _client_requests(upstream_state) == before
+    assert "Traceback" not in proxy.stderr.read_text() + proxy.stdout.read_text()
+
+
 # -- connection limits, in-process --------------------------------------------------------------
 
 
