@@ -333,7 +333,7 @@ ODD_PATHS = [
     "*",
     "http://evil.example/v1/chat/completions",
 ]
-#: Each segment a character that is legal in a request target but odd in a path.
+#: Paths of characters a request target may hold, in odd runs (dots, escapes, slashes).
 path_text = st.text(alphabet="abc/.%2eE~!$&'()*+,;=:@-_", min_size=0, max_size=30).map(
     lambda s: "/" + s
 )
@@ -567,11 +567,23 @@ async def test_any_streamed_body_gets_a_documented_answer_and_leaves_nothing_hel
     fleet: Fleet, route: str, tenant: str, doc: dict[str, Any]
 ) -> None:
     """``stream: true`` beside any other field: an SSE answer or a documented refusal,
-    never a 500, and nothing held once it ends."""
+    never a 500, and nothing held once it ends. The stream carries usage exactly when
+    the client asked for it: the usage the proxy asks for itself, for the quota tenant,
+    is removed again whatever else the body holds."""
     body = _dump({**doc, "stream": True})
     answer = await _probe(fleet, "POST", route, _auth(tenant), body)
-    if answer.status == 200:
-        assert answer.headers["Content-Type"].startswith("text/event-stream"), answer.raw[:500]
+    if answer.status != 200:
+        return
+    assert answer.headers["Content-Type"].startswith("text/event-stream"), answer.raw[:500]
+    events = [
+        json.loads(line[6:])
+        for line in answer.body.decode().splitlines()
+        if line.startswith("data: {")
+    ]
+    usage = [event["usage"] for event in events if event.get("usage") is not None]
+    options = doc.get("stream_options")
+    asked = isinstance(options, dict) and options.get("include_usage") is True
+    assert bool(usage) == asked, (doc, events)
 
 
 @FUZZ
