@@ -18,13 +18,14 @@ import hmac
 import ipaddress
 import os
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.config_history import ConfigHistory
-from proxy.entrance import bearer_token, error_answer, request_id_of
+from proxy.entrance import bearer_token, error_answer, expect_continue, request_id_of
 from proxy.errors import (
     BadRequest,
     InternalError,
@@ -372,8 +373,11 @@ def add_admin_routes(app: web.Application) -> None:
     )
     runtime.telemetry.metrics.registry.register(SharedStateCollector(lambda: runtime.state))
     get = ("GET", "HEAD")
-    app.router.add_route("*", "/healthz", reserved_path(healthz, get))
-    app.router.add_route("*", "/readyz", reserved_path(readyz, get))
-    app.router.add_route("*", "/metrics", reserved_path(metrics, get))
+    # Each with the entrance's Expect handler: aiohttp's own answers an unknown
+    # expectation with a plain-text 417 that quotes it.
+    add = partial(app.router.add_route, "*", expect_handler=expect_continue)
+    add("/healthz", reserved_path(healthz, get))
+    add("/readyz", reserved_path(readyz, get))
+    add("/metrics", reserved_path(metrics, get))
     add_ui_routes(app, reserved_path, lambda request: _authorized(request, request.app[RUNTIME]))
-    app.router.add_route("*", "/admin/{action:.*}", reserved_path(admin, None))
+    add("/admin/{action:.*}", reserved_path(admin, None))

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from proxy.admin import add_admin_routes
 from proxy.clock import Clock, MonotonicClock
 from proxy.dispatch import Dispatcher
-from proxy.entrance import SERVER_HEADER, handle
+from proxy.entrance import SERVER_HEADER, expect_continue, handle
 from proxy.health import Health
 from proxy.models import ModelTable
 from proxy.quotas import EntranceQuotas
@@ -296,5 +296,5 @@ def build_app(
     app[HISTORY] = history = History(runtime.clock)
     app.cleanup_ctx.append(history_loop(history, runtime))
     add_admin_routes(app)
-    app.router.add_route("*", "/{tail:.*}", handle)
+    app.router.add_route("*", "/{tail:.*}", handle, expect_handler=expect_continue)
     return app

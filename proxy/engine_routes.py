@@ -32,6 +32,12 @@ PROMPT_ONLY_PATHS = frozenset(
     {"/v1/embeddings", "/embedding", "/embeddings", "/v1/rerank", "/rerank"}
 )
 METERED_PATHS = INFERENCE_PATHS | NATIVE_GENERATION_PATHS | PROMPT_ONLY_PATHS
+#: The most output tokens a request is counted for, whatever it names: more than any
+#: token quota holds. A JSON number may have 4,300 digits, and the product of two
+#: (``max_tokens`` times ``n``) has more than Python writes as text (the quota's
+#: refusal message, the Redis store's arguments); the Redis store's Lua numbers are
+#: doubles, exact up to here.
+MAX_OUTPUT_LIMIT = 2**53
 
 
 def route_of(path: str) -> str:
@@ -60,7 +66,8 @@ def output_limit(doc: Any) -> int | None:
     Times the sequences it asks for (``sequences``). SGLang's list of
     ``sampling_params`` (one per prompt of a batch) is summed. None when it
     names no limit: the caller then uses the tenant's recent mean output,
-    which already counts the choices such a tenant asks for.
+    which already counts the choices such a tenant asks for. At most
+    ``MAX_OUTPUT_LIMIT``.
     """
     if not isinstance(doc, dict):
         return None
@@ -75,7 +82,7 @@ def output_limit(doc: Any) -> int | None:
         if isinstance(params, dict):
             named.append(params.get("max_new_tokens"))
     limits = [limit for value in named if (limit := _positive(value)) is not None]
-    return max(limits) * sequences(doc) if limits else None
+    return min(MAX_OUTPUT_LIMIT, max(limits) * sequences(doc)) if limits else None
 
 
 def _per_prompt(sampling: list[Any]) -> int | None:
@@ -87,7 +94,7 @@ def _per_prompt(sampling: list[Any]) -> int | None:
         if limit is None:
             return None
         total += limit * (_positive(params.get("n")) or 1)
-    return total or None
+    return min(MAX_OUTPUT_LIMIT, total) or None
 
 
 def sequences(doc: dict[str, Any]) -> int:

@@ -23,12 +23,13 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
@@ -64,7 +65,7 @@ from proxy.estimators import DEFAULT_OUTPUT_TOKENS
 from proxy.exchange import Exchange
 from proxy.models import ModelRefusal
 from proxy.observe import would
-from proxy.paths import forwardable, normalise_path
+from proxy.paths import checked_query, forwardable, normalise_path
 from proxy.quota_gate import TokenGate, admit_tokens, refusal_headers, settle, settled_headers
 from proxy.quotas import RateTake
 from proxy.record import RequestRecord
@@ -133,6 +134,22 @@ def error_answer(
     if isinstance(err, MethodNotAllowed):
         headers["Allow"] = ", ".join(err.allow)
     return web.json_response(body, status=err.status, headers=headers)
+
+
+async def expect_continue(request: web.Request) -> None:
+    """Every route's ``Expect`` handler, run before the handler itself.
+
+    ``100-continue`` is answered at once, as aiohttp does. Any other
+    expectation is ignored, as nginx does (RFC 9110 section 10.1.1 allows
+    it): aiohttp's own answer would be a plain-text 417 that quotes the
+    value, with none of the proxy's headers. The header is never forwarded
+    (``exchange.NOT_FORWARDED``): the proxy has the whole body by then.
+    """
+    if request.version < HttpVersion11:
+        return
+    if request.headers.get("Expect", "").strip().lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes are still to come
 
 
 def bearer_token(authorization: str) -> str | None:
@@ -263,6 +280,7 @@ async def _admit(
     record.priority = priority
     client_timeout_ms = _client_timeout_ms(headers)
     path = record.path = normalise_path(record.path)
+    query = checked_query(request.rel_url.raw_query_string)
     # The default class is always allowed: only another one needs the set.
     if priority != tenant_config.priority and priority not in tenant_config.classes():
         allowed = ", ".join(sorted(tenant_config.classes()))
@@ -363,7 +381,7 @@ async def _admit(
         seatless=seatless,
         inference=inference,
         cost=cost,
-        path_qs=path + "?" + query if (query := request.rel_url.raw_query_string) else path,
+        path_qs=path + "?" + query if query else path,
         model=model,
         pool=pool,
         asked=routed.get("model") if model is None and isinstance(routed, dict) else ...,
@@ -569,10 +587,26 @@ def _parse_json(body: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+        raise BadRequest(f"request body is not valid JSON: {_json_problem(exc)}") from exc
     if not isinstance(doc, dict):
         raise BadRequest("the body of an inference route must be a JSON object")
     return doc
+
+
+def _json_problem(exc: ValueError | RecursionError) -> str:
+    """What is wrong with a body ``json.loads`` refused, quoting nothing of it.
+
+    A syntax error says where (its own message holds no input); the decoder's
+    other errors would quote a byte of the body (``UnicodeDecodeError``) or
+    name Python's settings (a number past the integer digit limit).
+    """
+    if isinstance(exc, json.JSONDecodeError):
+        return str(exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return "the body is not UTF-8 text"
+    if isinstance(exc, RecursionError):
+        return f"nested deeper than {MAX_JSON_DEPTH} levels"
+    return f"a number holds more than {sys.get_int_max_str_digits()} digits"
 
 
 def json_too_deep(body: bytes, limit: int) -> bool:

@@ -25,6 +25,7 @@ import asyncio
 from urllib.parse import unquote
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.degrade import DEGRADED_HEADER
@@ -49,8 +50,12 @@ from proxy.upstream import Committed, UpstreamRequest, attempt
 #: or sets itself (the client's API key among them).
 NOT_FORWARDED = HOP_BY_HOP | {
     "authorization", "x-api-key", "x-priority", "host", "content-length", "accept-encoding",
-    "x-request-timeout-ms", "x-request-id", "x-forwarded-for",
+    "x-request-timeout-ms", "x-request-id", "x-forwarded-for", "expect",
 }  # fmt: skip
+#: Content codings aiohttp's HTTP parser decodes before the entrance reads the body.
+#: A body sent in one of them reaches the replica decoded, so its label must not:
+#: an engine that honours it would try to decode the JSON again and fail.
+DECODED_CODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 #: Methods whose repeat has no effect of its own (RFC 9110 section 9.2.1).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -359,6 +364,9 @@ class Exchange:
 
 def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamRequest:
     headers = end_to_end_headers(request.headers, NOT_FORWARDED)
+    codings = request.headers.getall("Content-Encoding", ())
+    if any(coding.strip().lower() in DECODED_CODINGS for coding in codings):
+        del headers["Content-Encoding"]  # every one: the body is no longer encoded
     forwarded = request.headers.get("X-Forwarded-For")
     peer = request.remote or ""
     headers["X-Forwarded-For"] = f"{forwarded}, {peer}" if forwarded else peer
@@ -366,7 +374,7 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
     return UpstreamRequest(
         method=request.method,
         path_qs=admitted.path_qs,
-        headers=headers,
+        headers=_writable(headers),
         body=admitted.body,
         streaming=admitted.streaming,
         # Inference routes are safe to repeat before the first byte (docs/REFERENCE.md,
@@ -377,4 +385,20 @@ def _upstream_request(request: web.Request, admitted: Admitted) -> UpstreamReque
         resend_on_stale=admitted.inference
         or request.method in SAFE_METHODS
         or route_of(admitted.path_qs.partition("?")[0]) in METERED_PATHS,
+    )
+
+
+def _writable(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """The headers with the bytes of a client's value that were not UTF-8 left out.
+
+    aiohttp's parser keeps such bytes as lone surrogates; its C header writer
+    drops them, its pure-Python one (``AIOHTTP_NO_EXTENSIONS``) raised
+    ``UnicodeEncodeError``, a 500. Both now send what the C writer sent. The
+    common case, every value ASCII, is one scan per value and no copy.
+    """
+    if all(value.isascii() for value in headers.values()):
+        return headers
+    return CIMultiDict(
+        (name, value if value.isascii() else value.encode("utf-8", "ignore").decode())
+        for name, value in headers.items()
     )

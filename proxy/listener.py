@@ -53,7 +53,7 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import EMPTY_PAYLOAD
-from aiohttp.web_protocol import RequestHandler, _ErrInfo
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from proxy.entrance import error_response, request_id_of
@@ -319,6 +319,12 @@ class Connection(RequestHandler):
         """aiohttp's own error lines, without the exception's text (it may quote a header)."""
         exc = kw.get("exc_info")
         if isinstance(exc, MalformedBody):  # the rest of a refused body, read after the answer
+            return
+        if isinstance(exc, RequestPayloadError):
+            # The client's body failed to parse or decode (a bad chunk, a gzip label on
+            # bytes that are not): the entrance answered it 400; aiohttp meets the same
+            # error again draining the rest. The client's fault, not an error here.
+            log.info("request body refused", detail=str(args[0]) if args else None)
             return
         log.error(
             "server error",

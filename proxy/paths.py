@@ -23,8 +23,9 @@ The rules (RFC 3986 section 6.2.2, made strict where readings differ):
 - ``.`` and ``..`` segments are resolved; a ``..`` that would climb above
   the root is refused rather than clipped.
 
-The query string is not touched. Nothing here does I/O; the common path (no
-``%``, no dot segment, no ``//``) costs a few substring scans.
+The query string is not touched, only refused when it holds a character
+outside visible ASCII (``checked_query``). Nothing here does I/O; the common
+path (no ``%``, no dot segment, no ``//``) costs a few substring scans.
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def normalise_path(raw: str) -> str:
     ):
         return _normalise(raw)
     return raw  # nothing to resolve: the common case
+
+
+def checked_query(raw: str) -> str:
+    """The query string, forwarded as sent, or ``BadRequest`` when it holds a
+    character outside visible ASCII.
+
+    aiohttp's C parser refuses such a request target outright; its pure-Python
+    one lets the raw bytes through, and a byte that is not UTF-8 then cannot
+    be written to the replica (a 500). Refused here, the two parsers agree.
+    """
+    if raw and not (raw.isascii() and raw.isprintable() and " " not in raw):
+        raise BadRequest("the query string holds a character outside visible ASCII")
+    return raw
 
 
 def _normalise(raw: str) -> str:

@@ -293,6 +293,79 @@ async def test_malformed_requests_get_the_proxys_answer_and_no_key_is_echoed_or_
     assert lf_only == {"c": "BadStatusLine", "python": "BadHttpMessage"}[parser]
 
 
+@pytest.mark.parametrize("parser", ["c", "python"])
+async def test_a_header_value_that_is_not_utf8_is_forwarded_without_those_bytes(
+    tmp_path: Path, upstream_url: str, upstream_state: Upstream, parser: str
+) -> None:
+    """A header the proxy forwards, holding bytes that are not UTF-8: the request is
+    served, and the replica gets the value without those bytes, with either parser.
+    (aiohttp's C header writer dropped them; the pure-Python one raised, a 500.)"""
+    config = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 2}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+    }
+    env = {"AIOHTTP_NO_EXTENSIONS": "1"} if parser == "python" else {}
+    proxy = await _serve(tmp_path, config, {**env, "PYTHONUNBUFFERED": "1"})
+    port = int(proxy.url.rsplit(":", 1)[1])
+    body = b'{"max_tokens": 2}'
+    raw = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY_A}\r\n".encode()
+        + b"X-Custom: ab\xffcd\xc3\xa9\r\nX-Forwarded-For: 10.0.0.1\xfe\r\n"
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    try:
+        got = await _exchange(port, raw)
+    finally:
+        await proxy.stop()
+    assert got.status == 200, got.raw[:500]
+    sent = upstream_state.seen[-1]
+    assert sent["X-Custom"] == "abcd\u00e9"
+    assert sent["X-Forwarded-For"] == "10.0.0.1, 127.0.0.1"
+    assert "Traceback" not in proxy.stderr.read_text() + proxy.stdout.read_text()
+
+
+@pytest.mark.parametrize("parser", ["c", "python"])
+async def test_a_query_string_outside_visible_ascii_is_refused_by_either_parser(
+    tmp_path: Path, upstream_url: str, upstream_state: Upstream, parser: str
+) -> None:
+    """Raw bytes above ASCII in the query string, UTF-8 or not: 400 bad_request with the
+    error body and X-Request-Id, nothing forwarded, with either parser. (The C parser
+    refused them; the pure-Python one let them through: a UTF-8 one reached the replica,
+    one that is not UTF-8 could not be written to it, a 500.)"""
+    config = {
+        "replicas": [{"name": "r0", "url": upstream_url, "max_concurrency": 2}],
+        "tenants": {"a": {"api_keys": [KEY_A]}},
+    }
+    env = {"AIOHTTP_NO_EXTENSIONS": "1"} if parser == "python" else {}
+    proxy = await _serve(tmp_path, config, {**env, "PYTHONUNBUFFERED": "1"})
+    port = int(proxy.url.rsplit(":", 1)[1])
+    before = _client_requests(upstream_state)
+    body = b'{"max_tokens": 2}'
+    answers = []
+    try:
+        for query in (b"q=\xc3\xa9", b"q=\xff\xfe"):
+            raw = (
+                b"POST "
+                + CHAT.encode()
+                + b"?"
+                + query
+                + b" HTTP/1.1\r\nHost: p\r\n"
+                + f"Authorization: Bearer {KEY_A}\r\nContent-Length: {len(body)}\r\n".encode()
+                + b"Connection: close\r\n\r\n"
+                + body
+            )
+            answers.append(await _exchange(port, raw))
+    finally:
+        await proxy.stop()
+    for got in answers:
+        assert got.status == 400 and got.headers["X-Admission-Reason"] == "bad_request", got.raw
+        assert got.json()["error"]["code"] == "bad_request"
+        assert REQUEST_ID.fullmatch(got.headers["X-Request-Id"])
+    assert _client_requests(upstream_state) == before
+    assert "Traceback" not in proxy.stderr.read_text() + proxy.stdout.read_text()
+
+
 # -- connection limits, in-process --------------------------------------------------------------
 
 
@@ -369,6 +442,30 @@ async def test_a_broken_chunk_after_the_head_is_answered_400_at_once(
     assert got.json()["error"]["message"] == "malformed HTTP request body"
     assert key.encode() not in got.raw
     assert key not in repr(logs) and key not in proxy.access.getvalue()
+    assert _client_requests(upstream_state) == before
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_a_body_that_does_not_decode_is_answered_400_and_logged_no_error(
+    start_listener: StartListener, upstream_state: Upstream, coding: str
+) -> None:
+    """A body labelled gzip (or deflate) that is not: 400 bad_request "malformed HTTP
+    request body", nothing forwarded, and no error-level log line (the rest of the body,
+    read after the answer, fails again; that used to log "server error" for each such
+    client, which an operator's alert on errors would page for)."""
+    proxy = await start_listener()
+    before = _client_requests(upstream_state)
+    body = b"not compressed at all"
+    raw = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY_A}\r\n"
+        f"Content-Encoding: {coding}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    with capture_logs() as logs:
+        got = await _exchange(proxy.port, raw)
+        await wait_for(lambda: proxy.listener.open == 0)
+    assert got.status == 400 and got.headers["X-Admission-Reason"] == "bad_request"
+    assert got.json()["error"]["message"] == "malformed HTTP request body"
+    assert [entry for entry in logs if entry["log_level"] == "error"] == []
     assert _client_requests(upstream_state) == before
 
 

@@ -15,6 +15,7 @@ from importlib import resources
 
 from aiohttp import web
 
+from proxy.entrance import expect_continue
 from proxy.errors import NotFound
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -61,5 +62,5 @@ def add_ui_routes(app: web.Application, wrap: Wrap, open_to: Callable[[web.Reque
         )
 
     get = ("GET", "HEAD")
-    app.router.add_route("*", "/admin/ui", wrap(page, get))
-    app.router.add_route("*", "/admin/ui/{name}", wrap(static, get))
+    app.router.add_route("*", "/admin/ui", wrap(page, get), expect_handler=expect_continue)
+    app.router.add_route("*", "/admin/ui/{name}", wrap(static, get), expect_handler=expect_continue)
