@@ -195,7 +195,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         response = await exchange.run()
         if admitted.held is not None and not response.prepared:
             # A whole answer, not sent yet: its headers can count its real usage.
-            await _settle(runtime, admitted, exchange, record, response.headers)
+            await _settle_despite_cancel(runtime, admitted, exchange, record, response.headers)
         return response
     except ProxyError as err:
         record.fail(err)
@@ -213,13 +213,39 @@ async def handle(request: web.Request) -> web.StreamResponse:
         record.fail(internal)
         return error_response(internal, record)
     finally:
-        if admitted is not None and admitted.held is not None and not admitted.held.settled:
-            await _settle(runtime, admitted, exchange, record, None)
-        if runtime.grace_over and record.outcome == "cancelled":
-            record.cut_by_shutdown()  # the proxy closed the connection, not the client
-        runtime.leave(record)
-        record.end(runtime.clock.now())
-        runtime.telemetry.request_ended(record)
+        try:
+            if admitted is not None and admitted.held is not None and not admitted.held.settled:
+                await _settle_despite_cancel(runtime, admitted, exchange, record, None)
+        finally:
+            if runtime.grace_over and record.outcome == "cancelled":
+                record.cut_by_shutdown()  # the proxy closed the connection, not the client
+            runtime.leave(record)
+            record.end(runtime.clock.now())
+            runtime.telemetry.request_ended(record)
+
+
+async def _settle_despite_cancel(
+    runtime: Runtime,
+    admitted: Admitted,
+    exchange: Exchange | None,
+    record: RequestRecord,
+    headers: MutableMapping[str, str] | None,
+) -> None:
+    """The settlement, carried through a client that leaves meanwhile.
+
+    It runs once the replica has answered, and with shared state it is a round trip:
+    a client that closes its connection at ``data: [DONE]`` cancels the handler
+    during it. Shielded, the correction still reaches the store (bounded by the
+    store's own ``timeout_ms``) and the access line still counts it; the cancel is
+    passed on once it is done. A second cancel (the shutdown's cut) is passed on
+    at once, the correction finishing on its own.
+    """
+    settling = asyncio.ensure_future(_settle(runtime, admitted, exchange, record, headers))
+    try:
+        await asyncio.shield(settling)
+    except asyncio.CancelledError:
+        await asyncio.shield(settling)
+        raise
 
 
 async def _settle(
