@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -13,6 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.settings import Config, parse_config
+from proxy.sim import SimConfig, SimServer, start_sim
 
 KEY_A = "sk-tenant-a"
 KEY_B = "sk-tenant-b"
@@ -132,3 +133,22 @@ def handshake_never_completes() -> Iterator[int]:
         for filler in fillers:
             filler.close()
         listener.close()
+
+
+@contextlib.asynccontextmanager
+async def running_sims(
+    count: int = 2, *, decode_per_seq_ms: float = 0.2
+) -> AsyncIterator[list[SimServer]]:
+    """``count`` fast simulator replicas (8 slots, 1 ms a decode step, seeds 0, 1, ...),
+    closed on leaving: the pair most resilience and churn tests put behind a proxy."""
+    servers: list[SimServer] = []
+    try:
+        for i in range(count):
+            config = SimConfig(
+                slots=8, seed=i, decode_base_ms=1.0, decode_per_seq_ms=decode_per_seq_ms
+            )
+            servers.append(await start_sim(config))
+        yield servers
+    finally:
+        for server in servers:
+            await server.close()

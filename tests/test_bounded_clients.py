@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.runtime import Runtime
-from proxy.sim import SimConfig, SimServer, start_sim
+from proxy.sim import SimServer
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, KEY_B, make_config, wait_for
+from tests.helpers import KEY_A, KEY_B, make_config, running_sims, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -38,15 +38,8 @@ LONG = {"queue_ms": 60_000, "first_byte_ms": 60_000, "total_ms": 120_000}
 
 @pytest.fixture
 async def sims() -> AsyncIterator[list[SimServer]]:
-    servers = [
-        await start_sim(SimConfig(slots=8, seed=i, decode_base_ms=1.0, decode_per_seq_ms=0.1))
-        for i in range(2)
-    ]
-    try:
+    async with running_sims(decode_per_seq_ms=0.1) as servers:
         yield servers
-    finally:
-        for server in servers:
-            await server.close()
 
 
 def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from proxy.sim import SimConfig, SimServer, start_sim
+from proxy.sim import SimServer
 from proxy.telemetry.gpu import FakeGpuProbe, GpuReading
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, make_config, wait_for
+from tests.helpers import KEY_A, make_config, running_sims, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -22,15 +22,8 @@ QUICK_RETRY = {"base_backoff_ms": 5, "max_backoff_ms": 20}
 
 @pytest.fixture
 async def sims() -> AsyncIterator[list[SimServer]]:
-    servers = [
-        await start_sim(SimConfig(slots=8, seed=i, decode_base_ms=1.0, decode_per_seq_ms=0.2))
-        for i in range(2)
-    ]
-    try:
+    async with running_sims() as servers:
         yield servers
-    finally:
-        for server in servers:
-            await server.close()
 
 
 def body(**extra: Any) -> dict[str, Any]:
@@ -100,6 +93,9 @@ async def test_refusing_replica_is_ejected_and_returns_after_warmup(
 async def test_all_replicas_down_answers_at_once(start_proxy: Start, sims: list[SimServer]) -> None:
     """Every replica ejected: 503 no_healthy_replica within milliseconds, not after timeouts."""
     proxy = await start_proxy(make_config([s.url for s in sims]))
+    # Only a replica healthy once is ejected (one still starting is held for its next
+    # probe), and a warm-up still running would make it serving after the ejection.
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas), timeout_s=10)
     for replica in proxy.runtime.pool.replicas:
         proxy.runtime.health._eject(replica)
     submitted = [s.engine.stats().submitted for s in sims]

@@ -24,12 +24,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.clock import FakeClock
-from proxy.sim import SimConfig, SimServer, start_sim
+from proxy.sim import SimServer
 from proxy.sse_frames import MAX_HELD_BYTES, SseFramer
 from proxy.sse_usage import UsageStripper
 from proxy.usage_request import request_usage
 from tests.conftest import ProxyUnderTest
-from tests.helpers import KEY_A, KEY_B, make_config, samples_by_label, wait_for
+from tests.helpers import KEY_A, KEY_B, make_config, running_sims, samples_by_label, wait_for
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 ServerFactory = Callable[..., Awaitable[TestServer]]
@@ -431,15 +431,8 @@ async def test_a_chunk_header_broken_mid_stream_ends_at_the_idle_timeout(
 
 @pytest.fixture
 async def sims() -> AsyncIterator[list[SimServer]]:
-    servers = [
-        await start_sim(SimConfig(slots=8, seed=i, decode_base_ms=1.0, decode_per_seq_ms=0.2))
-        for i in range(2)
-    ]
-    try:
+    async with running_sims() as servers:
         yield servers
-    finally:
-        for server in servers:
-            await server.close()
 
 
 async def test_a_replica_that_breaks_every_stream_it_starts_is_ejected(
