@@ -214,10 +214,13 @@ class Exchange:
 
         A retried failure gives its seat back for the backoff (keeping the
         tenant's place) and takes the next free seat ahead of queued tickets,
-        preferring another replica (docs/REFERENCE.md).
+        preferring a replica that has not failed this request yet (docs/REFERENCE.md):
+        with three attempts, the third goes neither to the second's replica nor back
+        to the first's while another can take it.
         """
         runtime, record = self.runtime, self.record
         deadline = self.admitted.deadline
+        failed: set[str] = set()
         while True:
             assert self.seat is not None
             assert self.ticket is not None
@@ -256,6 +259,7 @@ class Exchange:
                     "retries are over the fleet's retry budget", retry_after_s=refill_s
                 )
             assert retry_class is not None
+            failed.add(replica.name)
             record.retry_reasons.append(retry_class)
             runtime.telemetry.retry(retry_class)
             runtime.dispatcher.release(self.seat)
@@ -265,7 +269,7 @@ class Exchange:
             record.backoffs.append((backoff_start, runtime.clock.now()))
             try:
                 self.seat = await runtime.dispatcher.reseat(
-                    frozenset({replica.name}),
+                    frozenset(failed),
                     deadline.remaining(runtime.clock.now()),
                     runtime.dispatcher.pool_now(self.ticket),
                 )
