@@ -39,7 +39,7 @@ from proxy.errors import (
 )
 from proxy.record import RequestRecord
 from proxy.relay import HOP_BY_HOP, Relayed, end_to_end_headers, relay, relay_whole
-from proxy.replicas import Replica, Seat
+from proxy.replicas import Replica, ReplicaName, Seat
 from proxy.retries import parse_retry_after, status_class
 from proxy.runtime import Rules, Runtime
 from proxy.scheduler import Ticket
@@ -116,7 +116,7 @@ class Exchange:
                     retry_after_s=runtime.health.earliest_return_s(self.admitted.pool),
                 )
             self.record.dispatched_at = runtime.clock.now()
-            return await self._relay(await self._send_single_attempt(replica))
+            return await self._relay(await self._send_seatless(replica))
         ticket = self._enqueue()
         # Granted at once (the unloaded case, local state): no wait to suspend in.
         dispatcher = runtime.dispatcher
@@ -220,7 +220,7 @@ class Exchange:
         """
         runtime, record = self.runtime, self.record
         deadline = self.admitted.deadline
-        failed: set[str] = set()
+        failed: set[ReplicaName] = set()
         while True:
             assert self.seat is not None
             assert self.ticket is not None
@@ -276,6 +276,53 @@ class Exchange:
             except TimeoutError as exc:
                 raise TotalTimeout("no seat for a retry within the total budget") from exc
             self.ticket.granted_at = runtime.clock.now()  # seat time is per seat, not per request
+
+    async def _send_seatless(self, replica: Replica) -> Committed:
+        """A request without a seat (``GET``, ``/v1/models``, ``/tokenize``): attempts
+        until one commits, retried like any other (``retry_on``, the retry budget, the
+        deadline) on another serving replica of its pool, with no seat to wait for.
+
+        A replica that refuses connections before its health probe notices would
+        otherwise answer every such request it is picked for with a 502.
+        """
+        runtime, record = self.runtime, self.record
+        deadline = self.admitted.deadline
+        failed: set[ReplicaName] = set()
+        while True:
+            try:
+                return await self._send_single_attempt(replica)
+            except ProxyError as err:
+                runtime.health.attempt_failed(replica, err)
+                decision = runtime.retry_policy.decide(
+                    err.retry_class,
+                    attempts=self.attempts,
+                    inference_route=self.admitted.inference,
+                    remaining_s=deadline.remaining(runtime.clock.now()),
+                )
+                if not decision.retry:
+                    raise
+                failure = err
+            failed.add(replica.name)
+            refill_s = await runtime.spend_retry()
+            if refill_s > 0:
+                runtime.telemetry.retry_budget_exhausted()
+                raise RetryBudgetExhausted(
+                    "retries are over the fleet's retry budget", retry_after_s=refill_s
+                )
+            assert failure.retry_class is not None
+            record.retry_reasons.append(failure.retry_class)
+            runtime.telemetry.retry(failure.retry_class)
+            backoff_start = runtime.clock.now()
+            await asyncio.sleep(decision.delay_s)
+            record.backoffs.append((backoff_start, runtime.clock.now()))
+            # Another serving replica of its pool when there is one, else the same.
+            among = self.admitted.pool
+            names = among if among is not None else {r.name for r in runtime.pool.replicas}
+            following = runtime.pool.choose_any(frozenset(names.difference(failed)))
+            following = following or runtime.pool.choose_any(among)
+            if following is None:
+                raise failure
+            replica = following
 
     async def _send_single_attempt(self, replica: Replica) -> Committed:
         runtime, record = self.runtime, self.record

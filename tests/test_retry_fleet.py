@@ -8,7 +8,6 @@ request count, never from the proxy's view of itself.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from proxy.sim import SimConfig, SimServer, start_sim
+from proxy.worker_admin import set_draining
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config, wait_for
 
@@ -81,3 +81,131 @@ async def test_a_third_attempt_prefers_a_replica_that_has_not_failed_it(
     assert statuses == [200] * 20
     assert received(three[2]) - before == 20
     proxy.assert_idle()
+
+
+@pytest.fixture
+async def pools() -> AsyncIterator[list[SimServer]]:
+    """r0 and r1 serve model ``m1``, r2 serves ``m2``; each lists its model itself."""
+    servers = await start_sims("m1", "m1", "m2")
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            await server.close()
+
+
+async def test_a_retry_stays_in_its_model_pool_with_aliases_and_discovered_models(
+    start_proxy: Start, pools: list[SimServer]
+) -> None:
+    """Models discovered from each replica's /v1/models and an alias: a request for the
+    alias whose replica fails is retried on the other replica of its pool, never on the
+    replica of another model, even when its own pool has no other replica left (drained):
+    then it goes back to the failing one and its answer is passed through."""
+    retry = {**QUICK_RETRY, "max_attempts": 3, "min_retries_per_s": 100}
+    proxy = await start_proxy(
+        make_config(
+            [s.url for s in pools],
+            seats=8,
+            retry=retry,
+            health=NO_EJECTION,
+            model_aliases={"fast": "m1"},
+        )
+    )
+    runtime = proxy.runtime
+    await wait_for(lambda: runtime.models.pooled and len(runtime.models.served_models()) == 2)
+    await pools[0].set_faults(error_rate=1.0, error_status=503)
+    other_model = received(pools[2])
+    for _ in range(10):
+        resp = await proxy.client.post(CHAT, json=chat("fast"), headers=AUTH)
+        assert resp.status == 200
+        assert (await resp.json())["model"] == "m1"
+    set_draining(runtime, "r1", True)
+    for _ in range(3):
+        resp = await proxy.client.post(CHAT, json=chat("fast"), headers=AUTH)
+        assert resp.status == 503
+        assert resp.headers["X-Admission-Reason"] == "upstream_status"
+    assert received(pools[2]) == other_model
+    proxy.assert_idle()
+
+
+async def test_a_retry_leaves_the_affinity_home_that_failed_it(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """prefix_affinity: every request of one session key goes to its home replica; when
+    that replica fails, each request's retry is served by another replica."""
+    retry = {**QUICK_RETRY, "min_retries_per_s": 100}
+    proxy = await start_proxy(
+        make_config(
+            [s.url for s in three],
+            seats=8,
+            retry=retry,
+            health=NO_EJECTION,
+            routing={"policy": "prefix_affinity"},
+        )
+    )
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    session = {**AUTH, "X-Session-Id": "conversation-7"}
+    counts = [received(s) for s in three]
+    assert (await proxy.client.post(CHAT, json=chat(), headers=session)).status == 200
+    home = next(i for i, s in enumerate(three) if received(s) > counts[i])
+    await three[home].set_faults(error_rate=1.0, error_status=503)
+    for _ in range(10):
+        resp = await proxy.client.post(CHAT, json=chat(), headers=session)
+        assert resp.status == 200
+    assert three[home].state.dice.errors_injected == 10  # each went home first
+    proxy.assert_idle()
+
+
+async def test_a_retried_request_is_charged_and_settled_once(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """A tenant with a token quota: a request whose first attempt failed is charged its
+    estimate once and settled once, at the usage of the attempt that answered; the
+    access log says how many attempts it took."""
+    log = io.StringIO()
+    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_day": 100_000}}}
+    retry = {**QUICK_RETRY, "min_retries_per_s": 100}
+    proxy = await start_proxy(
+        make_config(
+            [s.url for s in three[:2]],
+            seats=8,
+            tenants=tenants,
+            retry=retry,
+            health=NO_EJECTION,
+        ),
+        access_log=log,
+    )
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    remaining = 100_000
+    await three[0].set_faults(error_rate=1.0, error_status=503)
+    for _ in range(6):
+        resp = await proxy.client.post(CHAT, json=chat(), headers=AUTH)
+        assert resp.status == 200
+        used = (await resp.json())["usage"]["total_tokens"]
+        remaining -= used
+        assert int(resp.headers["x-ratelimit-remaining-tokens"]) == remaining
+    lines = [json.loads(line) for line in log.getvalue().splitlines()]
+    attempts = [line["attempts"] for line in lines]
+    assert set(attempts) <= {1, 2} and 2 in attempts
+    for line in lines:
+        assert line["replica"] == "r1" and line["quota_actual_tokens"] == 5
+    assert three[0].state.dice.errors_injected == sum(attempts) - len(attempts)
+    proxy.assert_idle()
+
+
+async def test_a_seatless_request_is_retried_on_a_connection_failure(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """GET /v1/models (proxied, no seat): a replica that refuses connections before its
+    health probe notices is skipped by a retry, as connect_error is on every route."""
+    proxy = await start_proxy(
+        make_config([s.url for s in three[:2]], retry=QUICK_RETRY, health=NO_EJECTION)
+    )
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    await three[0].refuse_for(None)
+    statuses = []
+    for _ in range(10):
+        resp = await proxy.client.get("/v1/models", headers=AUTH)
+        await resp.read()
+        statuses.append(resp.status)
+    assert statuses == [200] * 10
