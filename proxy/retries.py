@@ -17,8 +17,10 @@ No I/O and no sleeping here; the clock and the random source are injected.
 
 from __future__ import annotations
 
+import email.utils
 import math
 import random
+import time
 from dataclasses import dataclass
 
 from proxy.clock import Clock
@@ -37,14 +39,27 @@ def status_class(status: int) -> str | None:
     return STATUS_CLASSES.get(status)
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """An upstream ``Retry-After`` in seconds (delta form only), or None."""
+def parse_retry_after(value: str | None, wall_now: float | None = None) -> float | None:
+    """An upstream ``Retry-After`` in seconds from now, or None when absent or unreadable.
+
+    Both of RFC 9110's forms: delay seconds, and an HTTP-date (what a gateway in
+    front of an engine may send), counted from ``wall_now`` (Unix seconds; the
+    system clock by default). A date already past means no wait.
+    """
     if value is None:
         return None
+    text = value.strip()
     try:
-        seconds = float(value.strip())
+        seconds = float(text)
     except ValueError:
-        return None
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None  # RFC 9110 dates are GMT; a date without a zone is not one
+        now = time.time() if wall_now is None else wall_now
+        return max(0.0, when.timestamp() - now)
     return seconds if seconds >= 0 and math.isfinite(seconds) else None
 
 
