@@ -19,6 +19,7 @@ from proxy.sim import SimConfig, SimServer, start_sim
 from proxy.worker_admin import set_draining
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config, wait_for
+from tests.redis_server import RedisServer
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -209,3 +210,43 @@ async def test_a_seatless_request_is_retried_on_a_connection_failure(
         await resp.read()
         statuses.append(resp.status)
     assert statuses == [200] * 10
+
+
+@pytest.mark.redis
+async def test_the_retry_budget_is_the_fleets_and_a_local_share_while_redis_is_down(
+    start_proxy: Start, three: list[SimServer], redis_server: RedisServer
+) -> None:
+    """Two proxies on one Redis, a replica failing everything, a budget of 3 retries per
+    10 s (floor 0.3/s, no ratio): 3 retries in all, whichever proxy spends them; the
+    next request of either is answered 503 retry_budget_exhausted with a Retry-After.
+    Redis down: each proxy retries from its own share (the floor over the 2 instances
+    seen: 1 retry), then refuses again."""
+    retry = {**QUICK_RETRY, "budget_ratio": 0.0, "min_retries_per_s": 0.3}
+    state = {"backend": "redis", "redis_url": redis_server.url, "timeout_ms": 500}
+    config = make_config([three[0].url], retry=retry, health=NO_EJECTION, state=state)
+    proxies = [await start_proxy(config), await start_proxy(config)]
+    for proxy in proxies:
+        shared = proxy.runtime.state
+        assert shared is not None
+        client = shared.client
+        await wait_for(lambda: client.instances == 2)  # noqa: B023 (awaited here)
+    await three[0].set_faults(error_rate=1.0, error_status=503)
+
+    async def reason(proxy: ProxyUnderTest) -> str:
+        resp = await proxy.client.post(CHAT, json=chat(), headers=AUTH)
+        await resp.read()
+        assert resp.status == 503
+        if resp.headers["X-Admission-Reason"] == "retry_budget_exhausted":
+            assert 1 <= int(resp.headers["Retry-After"]) <= 60
+        return resp.headers["X-Admission-Reason"]
+
+    spent = [await reason(proxies[i % 2]) for i in range(3)]
+    assert spent == ["upstream_status"] * 3  # each retried once, and failed again
+    assert [await reason(p) for p in proxies] == ["retry_budget_exhausted"] * 2
+
+    redis_server.stop()
+    for proxy in proxies:
+        assert await reason(proxy) == "upstream_status"  # its own share: one retry
+        assert await reason(proxy) == "retry_budget_exhausted"
+    for proxy in proxies:
+        proxy.assert_idle()
