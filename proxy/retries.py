@@ -175,13 +175,14 @@ class RetryBudget:
         return True
 
     def refill_in(self) -> float:
-        """Seconds until the oldest counted retry leaves the window."""
+        """Seconds until the oldest counted retry leaves the window: its second's
+        bucket stops counting once that second is ``BUDGET_WINDOW_S`` old."""
         now = self._clock.now()
         oldest = int(now) - BUDGET_WINDOW_S
         stamps = [s for i, s in enumerate(self._stamps) if s > oldest and self._retries[i]]
         if not stamps:
             return 1.0
-        return max(0.001, min(stamps) + BUDGET_WINDOW_S + 1 - now)
+        return max(0.001, min(stamps) + BUDGET_WINDOW_S - now)
 
     def __repr__(self) -> str:
         requests, retries = self._totals(self._clock.now())
