@@ -8,6 +8,7 @@ request count, never from the proxy's view of itself.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -250,3 +251,55 @@ async def test_the_retry_budget_is_the_fleets_and_a_local_share_while_redis_is_d
         assert await reason(proxy) == "retry_budget_exhausted"
     for proxy in proxies:
         proxy.assert_idle()
+
+
+@pytest.mark.parametrize("status", [400, 404, 408, 409, 422])
+async def test_an_upstream_4xx_is_never_retried(
+    start_proxy: Start, three: list[SimServer], status: int
+) -> None:
+    """Every retry class switched on: an upstream 4xx (other than 429) is the replica's
+    own answer, passed through after one attempt."""
+    log = io.StringIO()
+    every = ["connect_error", "connect_timeout", "first_byte_timeout",
+             "reset_before_first_byte", "http_429", "http_500", "http_502", "http_503",
+             "http_504"]  # fmt: skip
+    retry = {**QUICK_RETRY, "retry_on": every, "max_attempts": 3, "min_retries_per_s": 100}
+    proxy = await start_proxy(
+        make_config([s.url for s in three[:2]], retry=retry, health=NO_EJECTION), access_log=log
+    )
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    for sim in three[:2]:
+        await sim.set_faults(error_rate=1.0, error_status=status)
+    resp = await proxy.client.post(CHAT, json=chat(), headers=AUTH)
+    await resp.read()
+    assert resp.status == status
+    assert resp.headers["X-Admission-Reason"] == "upstream_status"
+    (line,) = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert line["attempts"] == 1
+    assert sum(s.state.dice.errors_injected for s in three[:2]) == 1
+
+
+async def test_a_retry_waiting_for_a_seat_ends_at_the_clients_timeout(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """One replica with one seat: the first attempt fails 503, and during its backoff
+    another request takes the seat and hangs. The retry waits for a seat no longer than
+    the client's X-Request-Timeout-Ms: 504 total_timeout, its tenant place and every
+    seat back once the other request leaves."""
+    retry = {"base_backoff_ms": 300, "max_backoff_ms": 300, "jitter": "none"}
+    proxy = await start_proxy(make_config([three[0].url], seats=1, retry=retry, health=NO_EJECTION))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    sim, runtime = three[0], proxy.runtime
+    await sim.set_faults(error_rate=1.0, error_status=503)
+    short = {**AUTH, "X-Request-Timeout-Ms": "1500"}
+    retried = asyncio.ensure_future(proxy.client.post(CHAT, json=chat(), headers=short))
+    await wait_for(lambda: sim.state.dice.errors_injected == 1)
+    await sim.set_faults(error_rate=0.0, hang_before_first_byte_ms=-1)
+    hanging = asyncio.ensure_future(proxy.client.post(CHAT, json=chat(), headers=AUTH))
+    resp = await asyncio.wait_for(retried, timeout=30)
+    assert resp.status == 504
+    assert resp.headers["X-Admission-Reason"] == "total_timeout"
+    hanging.cancel()
+    await asyncio.gather(hanging, return_exceptions=True)
+    await wait_for(lambda: runtime.pool.total_inflight() == 0 and not runtime.active)
+    proxy.assert_idle()
