@@ -30,6 +30,7 @@ from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.degrade import DEGRADED_HEADER
 from proxy.engine_routes import METERED_PATHS, route_of
 from proxy.errors import (
+    FirstByteTimeout,
     ModelNotFound,
     NoHealthyReplica,
     ProxyError,
@@ -262,7 +263,14 @@ class Exchange:
             failed.add(replica.name)
             record.retry_reasons.append(retry_class)
             runtime.telemetry.retry(retry_class)
-            runtime.dispatcher.release(self.seat)
+            # A replica that never answered may still run the attempt it was sent
+            # (engines notice a closed connection late): its seat stays taken for the
+            # cancel grace, as a cancelled request's does. Any other failure was an
+            # answer, or no connection at all: nothing runs there any more.
+            grace_s = 0.0
+            if isinstance(failure, FirstByteTimeout):
+                grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
+            runtime.dispatcher.release(self.seat, grace_s)
             self.seat = None
             backoff_start = runtime.clock.now()
             await asyncio.sleep(decision.delay_s)

@@ -303,3 +303,31 @@ async def test_a_retry_waiting_for_a_seat_ends_at_the_clients_timeout(
     await asyncio.gather(hanging, return_exceptions=True)
     await wait_for(lambda: runtime.pool.total_inflight() == 0 and not runtime.active)
     proxy.assert_idle()
+
+
+async def test_a_replica_that_timed_out_keeps_the_seat_for_the_cancel_grace(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """A stream whose first byte did not come within first_byte_ms is retried; the
+    replica may still be working on the attempt it abandoned (engines notice a closed
+    connection late), so that seat stays taken for cancel_grace_ms, as a cancelled
+    request's does, while the retry takes another: the replica's seats never count
+    less than the engine may run."""
+    retry = {**QUICK_RETRY, "retry_on": ["first_byte_timeout"]}
+    budgets = {"first_byte_ms": 300, "total_ms": 120_000, "queue_ms": 2000}
+    config = make_config(
+        [three[0].url], seats=2, retry=retry, budgets=budgets, health=NO_EJECTION,
+        timeouts={"cancel_grace_ms": 2000},
+    )  # fmt: skip
+    proxy = await start_proxy(config)
+    runtime, sim = proxy.runtime, three[0]
+    await wait_for(lambda: all(r.serving for r in runtime.pool.replicas))
+    await sim.set_faults(hang_before_first_byte_ms=-1)
+    before = received(sim)
+    stream = asyncio.ensure_future(proxy.client.post(CHAT, json=chat(stream=True), headers=AUTH))
+    await wait_for(lambda: received(sim) - before == 2)  # the retry reached the replica
+    assert runtime.pool.replicas[0].inflight == 2
+    stream.cancel()
+    await asyncio.gather(stream, return_exceptions=True)
+    await wait_for(lambda: runtime.pool.total_inflight() == 0 and not runtime.active, 10.0)
+    proxy.assert_idle()
