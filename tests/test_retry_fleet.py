@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from proxy.health import EngineReading
 from proxy.sim import SimConfig, SimServer, start_sim
 from proxy.worker_admin import set_draining
 from tests.conftest import ProxyUnderTest
@@ -330,4 +331,37 @@ async def test_a_replica_that_timed_out_keeps_the_seat_for_the_cancel_grace(
     stream.cancel()
     await asyncio.gather(stream, return_exceptions=True)
     await wait_for(lambda: runtime.pool.total_inflight() == 0 and not runtime.active, 10.0)
+    proxy.assert_idle()
+
+
+async def test_a_retry_skips_draining_and_saturated_replicas(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """r0 fails every request, r1 is draining: each retry goes to r2. Once r2's engine
+    also says it is saturated, retries go back to r0 (its answer is passed through)
+    and neither r1 nor r2 is sent anything."""
+    retry = {**QUICK_RETRY, "min_retries_per_s": 100}
+    config = make_config(
+        [s.url for s in three], seats=8, retry=retry,
+        health=NO_EJECTION, saturation={"max_waiting": 0, "stale_ms": 600_000},
+    )  # fmt: skip
+    proxy = await start_proxy(config)
+    runtime = proxy.runtime
+    await wait_for(lambda: all(r.serving for r in runtime.pool.replicas))
+    await three[0].set_faults(error_rate=1.0, error_status=503)
+    set_draining(runtime, "r1", True)
+    counts = [received(s) for s in three]
+    for _ in range(6):
+        assert (await proxy.client.post(CHAT, json=chat(), headers=AUTH)).status == 200
+    assert received(three[1]) == counts[1]
+    assert received(three[2]) - counts[2] == 6
+    health = runtime.health
+    health._readings["r2"] = EngineReading(runtime.clock.now(), 5, None)
+    health.refresh_saturation()
+    assert runtime.pool.replicas[2].saturated
+    counts = [received(s) for s in three]
+    for _ in range(4):
+        resp = await proxy.client.post(CHAT, json=chat(), headers=AUTH)
+        assert resp.status == 503 and resp.headers["X-Admission-Reason"] == "upstream_status"
+    assert [received(s) - c for s, c in zip(three, counts, strict=True)] == [8, 0, 0]
     proxy.assert_idle()
