@@ -365,3 +365,28 @@ async def test_a_retry_skips_draining_and_saturated_replicas(
         assert resp.status == 503 and resp.headers["X-Admission-Reason"] == "upstream_status"
     assert [received(s) - c for s, c in zip(three, counts, strict=True)] == [8, 0, 0]
     proxy.assert_idle()
+
+
+async def test_a_retry_the_budget_refuses_gives_the_token_charge_back(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """No retry budget at all: a failed first attempt is answered 503
+    retry_budget_exhausted with a Retry-After, the retry never reaches a replica, and
+    the tenant's token charge is settled at 0 (its quota headers count nothing)."""
+    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_day": 100_000}}}
+    retry = {**QUICK_RETRY, "budget_ratio": 0.0, "min_retries_per_s": 0.0}
+    proxy = await start_proxy(
+        make_config([s.url for s in three[:2]], tenants=tenants, retry=retry, health=NO_EJECTION)
+    )
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    for sim in three[:2]:
+        await sim.set_faults(error_rate=1.0, error_status=503)
+    counts = [received(s) for s in three[:2]]
+    resp = await proxy.client.post(CHAT, json=chat(), headers=AUTH)
+    assert resp.status == 503
+    assert resp.headers["X-Admission-Reason"] == "retry_budget_exhausted"
+    assert 1 <= int(resp.headers["Retry-After"]) <= 60
+    assert (await resp.json())["error"]["code"] == "retry_budget_exhausted"
+    assert resp.headers["x-ratelimit-remaining-tokens"] == "100000"
+    assert sum(received(s) - c for s, c in zip(three, counts, strict=False)) == 1
+    proxy.assert_idle()
