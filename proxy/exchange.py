@@ -117,6 +117,7 @@ class Exchange:
                     retry_after_s=runtime.health.earliest_return_s(self.admitted.pool),
                 )
             self.record.dispatched_at = runtime.clock.now()
+            self._count_dispatch()
             return await self._relay(await self._send_seatless(replica))
         ticket = self._enqueue()
         # Granted at once (the unloaded case, local state): no wait to suspend in.
@@ -127,9 +128,7 @@ class Exchange:
             else await dispatcher.wait(ticket)
         )
         self.record.dispatched_at = runtime.clock.now()
-        runtime.retry_budget.record_request()
-        if runtime.state is not None:
-            runtime.state.record_request()
+        self._count_dispatch()
         grace_s = 0.0
         try:
             response = await self._relay(await self._send_handling_retries())
@@ -146,6 +145,13 @@ class Exchange:
             raise
         finally:
             self._finish(ticket, grace_s)
+
+    def _count_dispatch(self) -> None:
+        """One request dispatched, for the retry budget's ratio (the fleet's too): with or
+        without a seat, since either may spend a retry."""
+        self.runtime.retry_budget.record_request()
+        if self.runtime.state is not None:
+            self.runtime.state.record_request()
 
     def _enqueue(self) -> Ticket:
         runtime, admitted = self.runtime, self.admitted

@@ -390,3 +390,27 @@ async def test_a_retry_the_budget_refuses_gives_the_token_charge_back(
     assert resp.headers["x-ratelimit-remaining-tokens"] == "100000"
     assert sum(received(s) - c for s, c in zip(three, counts, strict=False)) == 1
     proxy.assert_idle()
+
+
+async def test_requests_without_a_seat_count_toward_the_retry_budget(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """No floor, a ratio of 1: the budget is what was dispatched. GETs (no seat) count,
+    so once some went through, those meeting a replica that refuses connections are
+    retried on the other, within the budget their own traffic earns."""
+    retry = {**QUICK_RETRY, "budget_ratio": 1.0, "min_retries_per_s": 0.0}
+    proxy = await start_proxy(
+        make_config([s.url for s in three[:2]], retry=retry, health=NO_EJECTION)
+    )
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    statuses = []
+    for _ in range(4):
+        resp = await proxy.client.get("/v1/models", headers=AUTH)
+        await resp.read()
+        statuses.append(resp.status)
+    await three[0].refuse_for(None)
+    for _ in range(8):
+        resp = await proxy.client.get("/v1/models", headers=AUTH)
+        await resp.read()
+        statuses.append(resp.status)
+    assert statuses == [200] * 12
