@@ -22,6 +22,7 @@ from proxy.worker_admin import set_draining
 from tests.conftest import ProxyUnderTest
 from tests.helpers import KEY_A, make_config, wait_for
 from tests.redis_server import RedisServer
+from tests.upstreams import Upstream
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 CHAT = "/v1/chat/completions"
@@ -414,3 +415,44 @@ async def test_requests_without_a_seat_count_toward_the_retry_budget(
         await resp.read()
         statuses.append(resp.status)
     assert statuses == [200] * 12
+
+
+async def test_a_non_inference_route_retries_no_upstream_status(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """A POST to a route that is not an inference route may have side effects: its
+    upstream 503 is passed through after one attempt, http_503 in retry_on or not."""
+    retry = {**QUICK_RETRY, "retry_on": ["connect_error", "http_503"], "max_attempts": 3}
+    routes = ["/v1/chat/completions", "/status"]
+    proxy = await start_proxy(make_config([upstream_url], retry=retry, routes=routes))
+    resp = await proxy.client.post("/status/503", json={"x": 1}, headers=AUTH)
+    assert resp.status == 503
+    assert resp.headers["X-Admission-Reason"] == "upstream_status"
+    assert len(upstream_state.seen) == 1
+    proxy.assert_idle()
+
+
+async def test_a_stream_broken_after_its_first_byte_is_never_retried(
+    start_proxy: Start, three: list[SimServer]
+) -> None:
+    """Every retry class on: a stream whose connection is reset after its first tokens
+    reached the client ends with an SSE error event, and the replica saw one attempt."""
+    log = io.StringIO()
+    every = ["connect_error", "connect_timeout", "first_byte_timeout",
+             "reset_before_first_byte", "http_500", "http_502", "http_503"]  # fmt: skip
+    retry = {**QUICK_RETRY, "retry_on": every, "max_attempts": 3, "min_retries_per_s": 100}
+    proxy = await start_proxy(
+        make_config([s.url for s in three[:2]], retry=retry, health=NO_EJECTION), access_log=log
+    )
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    for sim in three[:2]:
+        await sim.set_faults(reset_mid_stream_after_tokens=2)
+    counts = [received(s) for s in three[:2]]
+    resp = await proxy.client.post(CHAT, json=chat(stream=True, max_tokens=50), headers=AUTH)
+    assert resp.status == 200
+    text = await resp.text()
+    assert "admission_error" in text  # the SSE error event that ends it
+    assert sum(received(s) - c for s, c in zip(three, counts, strict=False)) == 1
+    (line,) = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert line["attempts"] == 1
+    proxy.assert_idle()
