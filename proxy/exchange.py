@@ -6,6 +6,9 @@ reports back. Its stages read in order, each named for what it adds:
 
     run → _enqueue → _send_handling_retries → _send_single_attempt → _relay
 
+(a request without a seat goes ``run → _send_seatless → _send_single_attempt →
+_relay``: retried alike, on another serving replica, with no seat to take)
+
 ``_enqueue`` (the dispatcher decides when), ``_send_handling_retries`` (a
 retried failure gives its seat back for the backoff and takes the next free
 one ahead of queued tickets), ``_send_single_attempt`` (one upstream try up
@@ -225,7 +228,7 @@ class Exchange:
         with three attempts, the third goes neither to the second's replica nor back
         to the first's while another can take it.
         """
-        runtime, record = self.runtime, self.record
+        runtime = self.runtime
         deadline = self.admitted.deadline
         failed: set[ReplicaName] = set()
         while True:
@@ -259,16 +262,9 @@ class Exchange:
                 raise failure
             if isinstance(failure, Committed):
                 failure.close()
-            refill_s = await runtime.spend_retry()
-            if refill_s > 0:
-                runtime.telemetry.retry_budget_exhausted()
-                raise RetryBudgetExhausted(
-                    "retries are over the fleet's retry budget", retry_after_s=refill_s
-                )
             assert retry_class is not None
+            await self._spend_retry(retry_class)
             failed.add(replica.name)
-            record.retry_reasons.append(retry_class)
-            runtime.telemetry.retry(retry_class)
             # A replica that never answered may still run the attempt it was sent
             # (engines notice a closed connection late): its seat stays taken for the
             # cancel grace, as a cancelled request's does. Any other failure was an
@@ -278,9 +274,7 @@ class Exchange:
                 grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
             runtime.dispatcher.release(self.seat, grace_s)
             self.seat = None
-            backoff_start = runtime.clock.now()
-            await asyncio.sleep(decision.delay_s)
-            record.backoffs.append((backoff_start, runtime.clock.now()))
+            await self._back_off(decision.delay_s)
             try:
                 self.seat = await runtime.dispatcher.reseat(
                     frozenset(failed),
@@ -299,7 +293,7 @@ class Exchange:
         A replica that refuses connections before its health probe notices would
         otherwise answer every such request it is picked for with a 502.
         """
-        runtime, record = self.runtime, self.record
+        runtime = self.runtime
         deadline = self.admitted.deadline
         failed: set[ReplicaName] = set()
         while True:
@@ -316,19 +310,10 @@ class Exchange:
                 if not decision.retry:
                     raise
                 failure = err
-            failed.add(replica.name)
-            refill_s = await runtime.spend_retry()
-            if refill_s > 0:
-                runtime.telemetry.retry_budget_exhausted()
-                raise RetryBudgetExhausted(
-                    "retries are over the fleet's retry budget", retry_after_s=refill_s
-                )
             assert failure.retry_class is not None
-            record.retry_reasons.append(failure.retry_class)
-            runtime.telemetry.retry(failure.retry_class)
-            backoff_start = runtime.clock.now()
-            await asyncio.sleep(decision.delay_s)
-            record.backoffs.append((backoff_start, runtime.clock.now()))
+            await self._spend_retry(failure.retry_class)
+            failed.add(replica.name)
+            await self._back_off(decision.delay_s)
             # Another serving replica of its pool when there is one, else the same.
             among = self.admitted.pool
             names = among if among is not None else {r.name for r in runtime.pool.replicas}
@@ -337,6 +322,26 @@ class Exchange:
             if following is None:
                 raise failure
             replica = following
+
+    async def _spend_retry(self, retry_class: str) -> None:
+        """Take a retry from the budget (the fleet's with shared state) and count it;
+        refused: 503 ``retry_budget_exhausted``, with the time until it has one."""
+        runtime = self.runtime
+        refill_s = await runtime.spend_retry()
+        if refill_s > 0:
+            runtime.telemetry.retry_budget_exhausted()
+            raise RetryBudgetExhausted(
+                "retries are over the fleet's retry budget", retry_after_s=refill_s
+            )
+        self.record.retry_reasons.append(retry_class)
+        runtime.telemetry.retry(retry_class)
+
+    async def _back_off(self, delay_s: float) -> None:
+        """The wait before a retry, kept for its ``proxy.backoff`` span."""
+        clock = self.runtime.clock
+        started = clock.now()
+        await asyncio.sleep(delay_s)
+        self.record.backoffs.append((started, clock.now()))
 
     async def _send_single_attempt(self, replica: Replica) -> Committed:
         runtime, record = self.runtime, self.record

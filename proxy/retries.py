@@ -12,7 +12,9 @@ to the client (the relay never reports those here), client cancellation, 4xx
 other than 429, and on routes that are not inference routes anything but a
 connection failure, since a repeat may have side effects.
 
-No I/O and no sleeping here; the clock and the random source are injected.
+No I/O and no sleeping here; the clock and the random source are injected (an
+upstream ``Retry-After`` given as an HTTP date is read against the wall clock,
+injectable too).
 """
 
 from __future__ import annotations
