@@ -6,6 +6,9 @@ reports back. Its stages read in order, each named for what it adds:
 
     run → _enqueue → _send_handling_retries → _send_single_attempt → _relay
 
+(a request without a seat goes ``run → _send_seatless → _send_single_attempt →
+_relay``: retried alike, on another serving replica, with no seat to take)
+
 ``_enqueue`` (the dispatcher decides when), ``_send_handling_retries`` (a
 retried failure gives its seat back for the backoff and takes the next free
 one ahead of queued tickets), ``_send_single_attempt`` (one upstream try up
@@ -31,6 +34,7 @@ from proxy.admitted import BYTES_PER_TOKEN, Admitted
 from proxy.degrade import DEGRADED_HEADER
 from proxy.engine_routes import METERED_PATHS, route_of
 from proxy.errors import (
+    FirstByteTimeout,
     ModelNotFound,
     NoHealthyReplica,
     ProxyError,
@@ -40,7 +44,7 @@ from proxy.errors import (
 )
 from proxy.record import RequestRecord
 from proxy.relay import HOP_BY_HOP, Relayed, end_to_end_headers, relay, relay_whole
-from proxy.replicas import Replica, Seat
+from proxy.replicas import Replica, ReplicaName, Seat
 from proxy.retries import parse_retry_after, status_class
 from proxy.runtime import Rules, Runtime
 from proxy.scheduler import Ticket
@@ -124,7 +128,8 @@ class Exchange:
                     retry_after_s=runtime.health.earliest_return_s(self.admitted.pool),
                 )
             self.record.dispatched_at = runtime.clock.now()
-            return await self._relay(await self._send_single_attempt(replica))
+            self._count_dispatch()
+            return await self._relay(await self._send_seatless(replica))
         ticket = self._enqueue()
         # Granted at once (the unloaded case, local state): no wait to suspend in.
         dispatcher = runtime.dispatcher
@@ -134,9 +139,7 @@ class Exchange:
             else await dispatcher.wait(ticket)
         )
         self.record.dispatched_at = runtime.clock.now()
-        runtime.retry_budget.record_request()
-        if runtime.state is not None:
-            runtime.state.record_request()
+        self._count_dispatch()
         grace_s = 0.0
         try:
             response = await self._relay(await self._send_handling_retries())
@@ -154,6 +157,13 @@ class Exchange:
         finally:
             self._judge_answer()
             self._finish(ticket, grace_s)
+
+    def _count_dispatch(self) -> None:
+        """One request dispatched, for the retry budget's ratio (the fleet's too): with or
+        without a seat, since either may spend a retry."""
+        self.runtime.retry_budget.record_request()
+        if self.runtime.state is not None:
+            self.runtime.state.record_request()
 
     def _enqueue(self) -> Ticket:
         runtime, admitted = self.runtime, self.admitted
@@ -242,10 +252,13 @@ class Exchange:
 
         A retried failure gives its seat back for the backoff (keeping the
         tenant's place) and takes the next free seat ahead of queued tickets,
-        preferring another replica (docs/REFERENCE.md).
+        preferring a replica that has not failed this request yet (docs/REFERENCE.md):
+        with three attempts, the third goes neither to the second's replica nor back
+        to the first's while another can take it.
         """
-        runtime, record = self.runtime, self.record
+        runtime = self.runtime
         deadline = self.admitted.deadline
+        failed: set[ReplicaName] = set()
         while True:
             assert self.seat is not None
             assert self.ticket is not None
@@ -277,29 +290,86 @@ class Exchange:
                 raise failure
             if isinstance(failure, Committed):
                 failure.close()
-            refill_s = await runtime.spend_retry()
-            if refill_s > 0:
-                runtime.telemetry.retry_budget_exhausted()
-                raise RetryBudgetExhausted(
-                    "retries are over the fleet's retry budget", retry_after_s=refill_s
-                )
             assert retry_class is not None
-            record.retry_reasons.append(retry_class)
-            runtime.telemetry.retry(retry_class)
-            runtime.dispatcher.release(self.seat)
+            await self._spend_retry(retry_class)
+            failed.add(replica.name)
+            # A replica that never answered may still run the attempt it was sent
+            # (engines notice a closed connection late): its seat stays taken for the
+            # cancel grace, as a cancelled request's does. Any other failure was an
+            # answer, or no connection at all: nothing runs there any more.
+            grace_s = 0.0
+            if isinstance(failure, FirstByteTimeout):
+                grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
+            runtime.dispatcher.release(self.seat, grace_s)
             self.seat = None
-            backoff_start = runtime.clock.now()
-            await asyncio.sleep(decision.delay_s)
-            record.backoffs.append((backoff_start, runtime.clock.now()))
+            await self._back_off(decision.delay_s)
             try:
                 self.seat = await runtime.dispatcher.reseat(
-                    frozenset({replica.name}),
+                    frozenset(failed),
                     deadline.remaining(runtime.clock.now()),
                     runtime.dispatcher.pool_now(self.ticket),
                 )
             except TimeoutError as exc:
                 raise TotalTimeout("no seat for a retry within the total budget") from exc
             self.ticket.granted_at = runtime.clock.now()  # seat time is per seat, not per request
+
+    async def _send_seatless(self, replica: Replica) -> Committed:
+        """A request without a seat (``GET``, ``/v1/models``, ``/tokenize``): attempts
+        until one commits, retried like any other (``retry_on``, the retry budget, the
+        deadline) on another serving replica of its pool, with no seat to wait for.
+
+        A replica that refuses connections before its health probe notices would
+        otherwise answer every such request it is picked for with a 502.
+        """
+        runtime = self.runtime
+        deadline = self.admitted.deadline
+        failed: set[ReplicaName] = set()
+        while True:
+            try:
+                return await self._send_single_attempt(replica)
+            except ProxyError as err:
+                runtime.health.attempt_failed(replica, err)
+                decision = runtime.retry_policy.decide(
+                    err.retry_class,
+                    attempts=self.attempts,
+                    inference_route=self.admitted.inference,
+                    remaining_s=deadline.remaining(runtime.clock.now()),
+                )
+                if not decision.retry:
+                    raise
+                failure = err
+            assert failure.retry_class is not None
+            await self._spend_retry(failure.retry_class)
+            failed.add(replica.name)
+            await self._back_off(decision.delay_s)
+            # Another serving replica of its pool when there is one, else the same.
+            among = self.admitted.pool
+            names = among if among is not None else {r.name for r in runtime.pool.replicas}
+            following = runtime.pool.choose_any(frozenset(names.difference(failed)))
+            following = following or runtime.pool.choose_any(among)
+            if following is None:
+                raise failure
+            replica = following
+
+    async def _spend_retry(self, retry_class: str) -> None:
+        """Take a retry from the budget (the fleet's with shared state) and count it;
+        refused: 503 ``retry_budget_exhausted``, with the time until it has one."""
+        runtime = self.runtime
+        refill_s = await runtime.spend_retry()
+        if refill_s > 0:
+            runtime.telemetry.retry_budget_exhausted()
+            raise RetryBudgetExhausted(
+                "retries are over the fleet's retry budget", retry_after_s=refill_s
+            )
+        self.record.retry_reasons.append(retry_class)
+        runtime.telemetry.retry(retry_class)
+
+    async def _back_off(self, delay_s: float) -> None:
+        """The wait before a retry, kept for its ``proxy.backoff`` span."""
+        clock = self.runtime.clock
+        started = clock.now()
+        await asyncio.sleep(delay_s)
+        self.record.backoffs.append((started, clock.now()))
 
     async def _send_single_attempt(self, replica: Replica) -> Committed:
         runtime, record = self.runtime, self.record

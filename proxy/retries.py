@@ -12,13 +12,17 @@ to the client (the relay never reports those here), client cancellation, 4xx
 other than 429, and on routes that are not inference routes anything but a
 connection failure, since a repeat may have side effects.
 
-No I/O and no sleeping here; the clock and the random source are injected.
+No I/O and no sleeping here; the clock and the random source are injected (an
+upstream ``Retry-After`` given as an HTTP date is read against the wall clock,
+injectable too).
 """
 
 from __future__ import annotations
 
+import email.utils
 import math
 import random
+import time
 from dataclasses import dataclass
 
 from proxy.clock import Clock
@@ -37,14 +41,27 @@ def status_class(status: int) -> str | None:
     return STATUS_CLASSES.get(status)
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """An upstream ``Retry-After`` in seconds (delta form only), or None."""
+def parse_retry_after(value: str | None, wall_now: float | None = None) -> float | None:
+    """An upstream ``Retry-After`` in seconds from now, or None when absent or unreadable.
+
+    Both of RFC 9110's forms: delay seconds, and an HTTP-date (what a gateway in
+    front of an engine may send), counted from ``wall_now`` (Unix seconds; the
+    system clock by default). A date already past means no wait.
+    """
     if value is None:
         return None
+    text = value.strip()
     try:
-        seconds = float(value.strip())
+        seconds = float(text)
     except ValueError:
-        return None
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None  # RFC 9110 dates are GMT; a date without a zone is not one
+        now = time.time() if wall_now is None else wall_now
+        return max(0.0, when.timestamp() - now)
     return seconds if seconds >= 0 and math.isfinite(seconds) else None
 
 
@@ -160,13 +177,14 @@ class RetryBudget:
         return True
 
     def refill_in(self) -> float:
-        """Seconds until the oldest counted retry leaves the window."""
+        """Seconds until the oldest counted retry leaves the window: its second's
+        bucket stops counting once that second is ``BUDGET_WINDOW_S`` old."""
         now = self._clock.now()
         oldest = int(now) - BUDGET_WINDOW_S
         stamps = [s for i, s in enumerate(self._stamps) if s > oldest and self._retries[i]]
         if not stamps:
             return 1.0
-        return max(0.001, min(stamps) + BUDGET_WINDOW_S + 1 - now)
+        return max(0.001, min(stamps) + BUDGET_WINDOW_S - now)
 
     def __repr__(self) -> str:
         requests, retries = self._totals(self._clock.now())

@@ -46,7 +46,7 @@ _SPEND = lua(
 local ratio, floor_per_s = tonumber(ARGV[3]), tonumber(ARGV[4])
 if r + 1 > ratio * q + floor_per_s * window then
   if first_retry == nil then return '1.0' end
-  return tostring(math.max(0.001, first_retry + window + 1 - now_ms() / 1000))
+  return tostring(math.max(0.001, first_retry + window - now_ms() / 1000))
 end
 redis.call('HINCRBY', KEYS[1], 'r' .. second, 1)
 return '0'
