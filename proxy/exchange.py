@@ -35,6 +35,7 @@ from proxy.degrade import DEGRADED_HEADER
 from proxy.engine_routes import METERED_PATHS, route_of
 from proxy.errors import (
     FirstByteTimeout,
+    IdleTimeout,
     ModelNotFound,
     NoHealthyReplica,
     ProxyError,
@@ -62,6 +63,14 @@ NOT_FORWARDED = HOP_BY_HOP | {
 DECODED_CODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 #: Methods whose repeat has no effect of its own (RFC 9110 section 9.2.1).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+#: The proxy's own give-ups on an attempt the replica may still be running: the
+#: engine notices the closed connection as late as after a client's leave, so the
+#: seat stays taken for ``cancel_grace_ms`` as for a cancel. Given back at once, the
+#: next queued request joined an engine still busy with the abandoned one, and a
+#: replica slow enough to time out took more work for it.
+GAVE_UP = (FirstByteTimeout, IdleTimeout, TotalTimeout)
 
 
 class Exchange:
@@ -143,10 +152,15 @@ class Exchange:
         grace_s = 0.0
         try:
             response = await self._relay(await self._send_handling_retries())
-            if self.relayed.ending == "cancelled" and not self.upstream_done:
+            relayed = self.relayed
+            if not self.upstream_done and (
+                relayed.ending == "cancelled" or isinstance(relayed.failure, GAVE_UP)
+            ):
                 grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
             return response
-        except ProxyError:
+        except ProxyError as err:
+            if isinstance(err, GAVE_UP) and not self.upstream_done:
+                grace_s = self.rules.config.timeouts.cancel_grace_ms / 1000.0
             raise
         except BaseException:
             # Cancelled (the client left) while the replica still worked on it;

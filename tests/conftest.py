@@ -41,6 +41,18 @@ class ProxyUnderTest:
         assert len(runtime.dispatcher.scheduler) == 0, runtime.dispatcher
         assert not runtime.active
 
+    async def wait_idle(self) -> None:
+        """``assert_idle`` once a seat the proxy gave up on is back: after its own
+        first-byte, idle or total timeout the replica may still run the attempt, so
+        its seat stays taken for ``cancel_grace_ms`` (as a cancelled request's)."""
+        runtime = self.runtime
+        grace_s = runtime.rules.config.timeouts.cancel_grace_ms / 1000.0
+        await wait_for(
+            lambda: runtime.pool.total_inflight() == 0 and runtime.dispatcher.total_inflight() == 0,
+            timeout_s=grace_s + 10.0,
+        )
+        self.assert_idle()
+
 
 @pytest.fixture
 async def upstream_server(aiohttp_server: ServerFactory) -> TestServer:

@@ -73,7 +73,7 @@ async def test_first_byte_timeout(start_proxy: Start, upstream_url: str) -> None
     assert resp.status == 504
     assert resp.headers["X-Admission-Reason"] == "first_byte_timeout"
     assert 0.2 <= time.monotonic() - started < 1.5
-    proxy.assert_idle()
+    await proxy.wait_idle()
 
 
 async def test_total_timeout_bounds_a_non_streaming_request(
@@ -85,7 +85,7 @@ async def test_total_timeout_bounds_a_non_streaming_request(
     resp = await proxy.client.post(CHAT, json={"hang_ms": 3000}, headers=headers)
     assert resp.status == 504
     assert resp.headers["X-Admission-Reason"] == "total_timeout"
-    proxy.assert_idle()
+    await proxy.wait_idle()
 
 
 def _closed_port() -> int:
@@ -151,7 +151,7 @@ async def test_idle_gap_ends_the_stream_with_idle_timeout(
     )
     events = await asyncio.wait_for(_sse_events(resp), timeout=5)
     assert events[-1]["error"]["code"] == "idle_timeout"
-    proxy.assert_idle()
+    await proxy.wait_idle()
 
 
 async def test_disconnect_while_queued_frees_the_place_at_once(
@@ -381,3 +381,27 @@ async def test_cost_without_max_tokens_is_the_tenants_recent_mean_output(
     explicit = len(json.dumps({"max_tokens": 40}).encode()) // 4 + 40
     assert charged == [("a", explicit)] * 3 + [("a", prompt + 40.0), ("b", prompt + 256.0)]
     proxy.assert_idle()
+
+
+async def test_a_seat_given_up_on_stays_taken_for_the_cancel_grace(
+    start_proxy: Start, upstream_url: str
+) -> None:
+    """The proxy's own first-byte timeout closes the upstream connection, but the engine
+    may go on running the attempt until it notices: the seat stays taken for
+    ``cancel_grace_ms``, as after a client's leave, so the next queued request does not
+    join an engine still busy with the abandoned one. Then it is back."""
+    config = make_config(
+        [upstream_url], seats=1,
+        budgets={"first_byte_ms": 200, "queue_ms": 30_000, "total_ms": 60_000},
+        timeouts={"cancel_grace_ms": 5000},
+    )  # fmt: skip
+    proxy = await start_proxy(config)
+    resp = await proxy.client.post(CHAT, json={"stream": True, "hang_ms": 3000}, headers=AUTH)
+    assert resp.status == 504 and resp.headers["X-Admission-Reason"] == "first_byte_timeout"
+    await wait_for(lambda: not proxy.runtime.active)
+    assert proxy.runtime.pool.total_inflight() == 1  # well within the 5 s grace
+    queued = asyncio.ensure_future(proxy.client.post(CHAT, json={}, headers=AUTH))
+    await wait_for(lambda: len(proxy.runtime.dispatcher.scheduler) == 1)
+    resp = await queued  # granted once the grace is over
+    assert resp.status == 200
+    await proxy.wait_idle()

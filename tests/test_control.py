@@ -427,6 +427,7 @@ async def test_requests_total_counts_every_request_once_with_its_reason(
     await call({"Authorization": f"Bearer {KEY_B}"}, json={})  # served (the bucket's token)
     await call({"Authorization": f"Bearer {KEY_B}"}, json={})  # rate_limited
     await call(AUTH, json={"stream": True, "hang_ms": 1000})  # first_byte_timeout
+    await proxy.wait_idle()  # its seat stays taken for the cancel grace
     # one holds the seat, one queues then times out, one finds the queue full
     holder = asyncio.ensure_future(call(AUTH, json={"hang_ms": 800}))
     await wait_for(lambda: proxy.runtime.pool.total_inflight() == 1)

@@ -235,7 +235,7 @@ async def _total_deadline_case(
     # The replica saw its connection closed mid-answer: nothing runs upstream any more.
     await wait_for(lambda: upstream_state.active == 0)
     assert upstream_state.aborted == 1 and upstream_state.completed == 0
-    proxy.assert_idle()
+    await proxy.wait_idle()
 
 
 async def test_total_deadline_ends_an_answer_the_client_stopped_reading(
@@ -291,4 +291,4 @@ async def test_an_error_event_the_client_does_not_take_is_cut_after_the_idle_tim
     assert reasons.get("idle_timeout") == 1.0 and layers.get("idle") == 1.0
     await wait_for(lambda: upstream_state.active == 0, timeout_s=40)
     assert upstream_state.aborted == 1 and upstream_state.completed == 0
-    proxy.assert_idle()
+    await proxy.wait_idle()

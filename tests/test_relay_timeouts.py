@@ -48,7 +48,7 @@ async def test_stall_after_a_flowing_stream_ends_it_with_idle_timeout(
     events = await asyncio.wait_for(_events(resp), timeout=20)
     assert sse_tokens(events) == [f"tok{i} " for i in range(50)]
     assert events[-1]["error"]["code"] == "idle_timeout"
-    proxy.assert_idle()
+    await proxy.wait_idle()
 
 
 async def test_stream_flowing_for_many_idle_periods_completes(
@@ -81,7 +81,7 @@ async def test_total_deadline_mid_stream_ends_it_with_total_timeout(
     events = await asyncio.wait_for(_events(resp), timeout=20)
     assert 0 < len(sse_tokens(events)) < 400
     assert events[-1]["error"]["code"] == "total_timeout"
-    proxy.assert_idle()
+    await proxy.wait_idle()
 
 
 async def test_a_client_leaving_as_a_read_times_out_stays_a_cancellation(

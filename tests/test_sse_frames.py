@@ -116,4 +116,4 @@ async def test_a_stream_cut_mid_event_ends_in_an_error_the_sdk_reads(
         "type": "admission_error",
         "code": "idle_timeout",
     }
-    proxy.assert_idle()
+    await proxy.wait_idle()

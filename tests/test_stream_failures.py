@@ -383,7 +383,7 @@ async def test_a_stream_broken_after_the_first_byte_is_reported_not_retried(
     assert samples_by_label(metrics, "admission_requests_total", "reason") == {reason: 1.0}
     # A break counts toward the replica's ejection; a stall is for the probes to judge.
     assert proxy.under_test.runtime.pool.replicas[0].failures == (end != "stall")
-    proxy.under_test.assert_idle()
+    await proxy.under_test.wait_idle()
 
 
 async def test_a_broken_answer_before_the_first_byte_names_no_replica_address(
@@ -426,7 +426,7 @@ async def test_a_chunk_header_broken_mid_stream_ends_at_the_idle_timeout(
         None, "idle_timeout"]  # fmt: skip
     (line,) = await proxy.lines(1)
     assert (line["outcome"], line["reason"]) == ("timed_out", "idle_timeout")
-    proxy.under_test.assert_idle()
+    await proxy.under_test.wait_idle()
 
 
 @pytest.fixture
@@ -501,4 +501,4 @@ async def test_the_first_byte_budget_bounds_streams_only(
         assert status == 504 and json.loads(raw)["error"]["code"] == "first_byte_timeout"
     else:
         assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
-    proxy.under_test.assert_idle()
+    await proxy.under_test.wait_idle()
