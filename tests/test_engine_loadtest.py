@@ -98,8 +98,6 @@ async def test_staircase_recommends_about_the_engines_slot_count(
     context = (round(alone_ms), round(after_ms), verdict.explanation, table)
     errors = [(level.concurrency, level.errors) for level in result.levels if level.error_count]
     assert not errors, (errors, context)
-    assert verdict.recommended_max_concurrency is not None, context
-    assert verdict.decided_by == "p99_slo", context
     for level in result.levels:  # the engine's own process, found by its port in /proc
         assert level.cpu_source == "proc" and level.engine_cpu is not None, level
         assert level.engine_cpu > 0 and (level.engine_rss_bytes or 0) > 100 << 20, level
@@ -112,6 +110,10 @@ async def test_staircase_recommends_about_the_engines_slot_count(
     # alone 1,863 ms before, level 1 at 451 ms, a stall at level 4.)
     if max(alone_ms, after_ms) > QUIET_RATIO * min(alone_ms, after_ms):
         pytest.skip(f"the machine's load changed during the staircase: {context}")
+    # Timing verdicts from here: a level 1 stretched by other work crosses the SLO
+    # (alone 521 ms before, 265 ms after, level 1's p99 1,613 ms: nothing recommended).
+    assert verdict.recommended_max_concurrency is not None, context
+    assert verdict.decided_by == "p99_slo", context
     assert verdict.throughput_knee is not None and 3 <= verdict.throughput_knee <= 5, context
     assert verdict.recommended_max_concurrency >= 3, context
     by_level = {level.concurrency: level for level in result.levels}
