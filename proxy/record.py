@@ -116,6 +116,10 @@ class RequestRecord:
         if self.ended_at is not None:
             raise RuntimeError(f"request {self.request_id} ended twice")
         self.ended_at = now
+        if self.entrance_done is None:
+            # It ended at the entrance (refused, timed out or left there): the entrance
+            # took its whole time, which its access line and wait layer show.
+            self.entrance_done = now
         if self.outcome is None:
             self.outcome = "completed" if 200 <= self.status < 300 else "failed"
         arrival = self.arrival
