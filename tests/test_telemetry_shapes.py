@@ -464,3 +464,31 @@ async def test_goodput_leaves_out_a_late_first_token(
     assert [s.line["outcome"] for s in seen] == ["completed", "completed"]
     assert seen[1].line["ttft_ms"] >= 600
     assert by(before, after, "admission_goodput_total", "tenant") == {"a": 1}
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "broken"])
+async def test_a_stream_that_started_has_its_engine_spans(
+    start_proxy: Start, sim: SimServer, watch: Watch, ending: str
+) -> None:
+    """The engine queued and computed for a stream its client left, or that broke off
+    after its first tokens: proxy.batch and proxy.gpu show it, as for a completed one."""
+    proxy = await started(start_proxy, watch, make_config([sim.url]))
+    if ending == "broken":
+        await sim.set_faults(reset_mid_stream_after_tokens=2)
+    body = {"messages": MSG, "max_tokens": 200, "stream": True}
+    resp = await proxy.client.post(CHAT, json=body, headers=AUTH)
+    assert resp.status == 200
+    if ending == "cancelled":
+        seen = b""
+        async with asyncio.timeout(5):
+            while seen.count(b'"content"') < 3:
+                seen += await resp.content.readany()
+        resp.close()
+    else:
+        await resp.read()
+    (one,), _, _ = await watch.settle()
+    assert one.line["outcome"] == ("cancelled" if ending == "cancelled" else "failed")
+    assert attrs(one.one("proxy.batch")) == {"admission.timing_source": "engine"}
+    gpu = attrs(one.one("proxy.gpu"))
+    assert gpu["admission.timing_source"] == "proxy"
+    assert "gen_ai.server.time_to_first_token" in gpu

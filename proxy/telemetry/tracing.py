@@ -220,9 +220,12 @@ class Tracing:
 
         From the engine's own timing headers when it sent them (``engine``),
         else measured here: request sent to first token, first token to last
-        chunk (``proxy``). Each span says which.
+        chunk (``proxy``). Each span says which. Any 2xx answer that began has
+        them, also one its client left or that broke off mid-stream: the engine
+        queued and computed for it all the same, up to the end.
         """
-        if record.outcome != "completed" or not rt.attempts:
+        status = record.upstream_status
+        if status is None or not 200 <= status < 300 or not rt.attempts:
             return
         sent = rt.attempts[-1].sent_at
         first = record.first_token_at or record.first_byte_at
