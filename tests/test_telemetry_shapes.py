@@ -492,3 +492,49 @@ async def test_a_stream_that_started_has_its_engine_spans(
     gpu = attrs(one.one("proxy.gpu"))
     assert gpu["admission.timing_source"] == "proxy"
     assert "gen_ai.server.time_to_first_token" in gpu
+
+
+async def test_many_requests_of_every_shape_at_once(
+    start_proxy: Start, upstream_url: str, watch: Watch
+) -> None:
+    """Sixty requests at once, completing, queue-timing out, timing out upstream, broken
+    mid-stream, refused: one line, one root span and one count each, in matching
+    buckets (``Watch.settle``), and the timeouts counted once per timed-out line."""
+    config = make_config(
+        [upstream_url],
+        seats=2,
+        budgets={"queue_ms": 300, "first_byte_ms": 200},
+        timeouts={"idle_ms": 200},
+        retry={"max_attempts": 1},
+        tenants={
+            "a": {"api_keys": [KEY_A], "queue_capacity": 64},
+            "b": {"api_keys": [KEY_B], "queue_capacity": 64},
+        },
+    )
+    proxy = await started(start_proxy, watch, config)
+    shapes: list[tuple[dict[str, str], dict[str, Any]]] = [
+        (AUTH, {"max_tokens": 2}),
+        (AUTH, {"stream": True, "max_tokens": 3, "gap_ms": 20}),
+        (AUTH, {"stream": True, "hang_ms": 600}),
+        (AUTH, {"stream": True, "max_tokens": 4, "cut_after": 1}),
+        (AUTH, {"stream": True, "max_tokens": 4, "pause_after": 1, "pause_ms": 600}),
+        ({"Authorization": "Bearer sk-nobody"}, {}),
+        ({"Authorization": f"Bearer {KEY_B}"}, {"hang_ms": 100}),
+    ]
+
+    async def send(i: int) -> None:
+        headers, body = shapes[i % len(shapes)]
+        resp = await proxy.client.post(CHAT, json=body, headers=headers)
+        await resp.read()
+
+    await asyncio.gather(*(send(i) for i in range(60)))
+    seen, before, after = await watch.settle(60)
+    timed_out = [s.line["reason"] for s in seen if s.line["outcome"] == "timed_out"]
+    assert timed_out and any(s.line["reason"] == "unauthenticated" for s in seen)
+    layers = by(before, after, "admission_timeouts_total", "layer")
+    assert sum(layers.values()) == len(timed_out)
+    for layer, count in layers.items():
+        assert count == sum(1 for reason in timed_out if reason.startswith(layer))
+    assert sum(by(before, after, "admission_wait_seconds_count", "layer").values()) == sum(
+        1 + (s.line["queue_ms"] is not None) + (s.line["attempts"] > 0) for s in seen
+    )
