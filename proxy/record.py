@@ -97,6 +97,14 @@ class RequestRecord:
         layer = getattr(error, "layer", None)
         self.timeout_layer = layer if isinstance(layer, str) else None
 
+    def broke(self, error: ProxyError) -> None:
+        """The answer failed after the commit point: counted as ``error`` (outcome,
+        reason, timeout layer), logged with the status the client was sent, which
+        the SSE error event or the cut connection followed (docs/REFERENCE.md)."""
+        sent = self.status
+        self.fail(error)
+        self.status = sent
+
     def cancel(self) -> None:
         """The client left: logged with status 499 (docs/REFERENCE.md)."""
         self.status_sent = self.status

@@ -401,6 +401,9 @@ async def test_broken_mid_stream(
     (one,), before, after = await watch.settle()
     line = one.line
     assert (line["outcome"], line["reason"]) == (outcome, reason)
+    # The client was sent 200 and then the SSE error event: the status is the one sent
+    # (as for a stream the shutdown cuts), the outcome and reason say what broke.
+    assert line["status"] == 200 and attrs(one.root)["http.response.status_code"] == 200
     assert line["ttft_ms"] is not None and line["output_tokens"] == 2
     assert attrs(one.one("proxy.upstream"))["http.response.status_code"] == 200
     assert one.root.status.status_code.name == "ERROR"
