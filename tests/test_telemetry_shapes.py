@@ -541,3 +541,47 @@ async def test_many_requests_of_every_shape_at_once(
     assert sum(by(before, after, "admission_wait_seconds_count", "layer").values()) == sum(
         1 + (s.line["queue_ms"] is not None) + (s.line["attempts"] > 0) for s in seen
     )
+
+
+async def test_model_pools_name_the_model_everywhere(
+    start_proxy: Start, sim: SimServer, watch: Watch
+) -> None:
+    """The served model (an alias logged as its target) in the access line, the root
+    span's gen_ai.request.model and admission_model_requests_total; a name no pool
+    serves is logged as asked and counted under ``unknown``."""
+    tenants = {"a": {"api_keys": [KEY_A], "allowed_models": ["sim-model"]}}
+    config = make_config([sim.url], tenants=tenants, model_aliases={"mini": "sim-model"})
+    proxy = await started(start_proxy, watch, config)
+    await wait_for(lambda: bool(proxy.runtime.models.served_models()))
+    for model in ("mini", "nope"):
+        body = {"model": model, "messages": MSG, "max_tokens": 2}
+        await (await proxy.client.post(CHAT, json=body, headers=AUTH)).read()
+    (served, missing), before, after = await watch.settle(2)
+    assert served.line["model"] == attrs(served.root)["gen_ai.request.model"] == "sim-model"
+    assert (missing.line["reason"], missing.line["model"]) == ("model_not_found", "nope")
+    assert attrs(missing.root)["gen_ai.request.model"] == "nope"
+    counted = {
+        (dict(k)["model"], dict(k)["outcome"]): v
+        for k, v in delta(before, after, "admission_model_requests_total").items()
+    }
+    assert counted == {("sim-model", "completed"): 1, ("unknown", "rejected"): 1}
+
+
+async def test_token_quota_fields_and_gauge(
+    start_proxy: Start, sim: SimServer, watch: Watch
+) -> None:
+    """A quota refusal is charged nothing (null fields); a served request logs its charge
+    and its correction, and the gauge shows the quota less the real usage."""
+    tenants = {"a": {"api_keys": [KEY_A], "token_quota": {"per_minute": 1000}}}
+    proxy = await started(start_proxy, watch, make_config([sim.url], tenants=tenants))
+    for max_tokens in (5000, 3):
+        body = {"messages": MSG, "max_tokens": max_tokens}
+        await (await proxy.client.post(CHAT, json=body, headers=AUTH)).read()
+    (refused, served), _, after = await watch.settle(2)
+    assert refused.line["reason"] == "token_quota_exceeded"
+    assert refused.line["quota_charged_tokens"] is refused.line["quota_actual_tokens"] is None
+    used = served.line["input_tokens"] + served.line["output_tokens"]
+    assert served.line["quota_actual_tokens"] == used
+    assert served.line["quota_charged_tokens"] >= used
+    gauge = after[("admission_quota_remaining_tokens", (("tenant", "a"), ("window", "minute")))]
+    assert 1000 - used <= gauge <= 1000  # refilling meanwhile
