@@ -52,6 +52,12 @@ ACCESS_FIELDS: dict[str, tuple[type, ...]] = {
     "observed": (str, type(None)),
 }
 OUTCOMES = {"completed", "rejected", "timed_out", "failed", "cancelled"}
+#: The GenAI semantic-convention span attributes the proxy sets, by their exact names
+#: (a ``gen_ai.*`` name outside the conventions, or a metric's name, is none of them).
+GEN_AI_ATTRIBUTES = frozenset({
+    "gen_ai.request.model", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens",
+    "gen_ai.response.time_to_first_chunk",
+})  # fmt: skip
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -191,6 +197,7 @@ def check_root(one: Seen) -> None:
         assert root.start_time <= span.start_time <= span.end_time <= root.end_time, span.name
         for key in span.attributes or {}:
             assert "authorization" not in key.lower() and "api_key" not in key.lower(), key
+            assert not key.startswith("gen_ai.") or key in GEN_AI_ATTRIBUTES, key
 
 
 def check_counted(seen: list[Seen], before: Samples, after: Samples) -> None:

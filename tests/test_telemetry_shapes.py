@@ -137,6 +137,13 @@ async def test_streamed_request(start_proxy: Start, sim: SimServer, watch: Watch
     gpu = attrs(one.one("proxy.gpu"))
     assert gpu["admission.timing_source"] == "proxy"
     assert gpu["gen_ai.usage.output_tokens"] == line["output_tokens"] == 5
+    # GenAI's time to first chunk: request sent to the stream's first chunk, in s (the
+    # attempt's span covers exactly that); the first token is the proxy's own attribute.
+    upstream = one.one("proxy.upstream")
+    assert upstream.start_time is not None and upstream.end_time is not None
+    first_chunk_s = (upstream.end_time - upstream.start_time) / 1e9
+    assert gpu["gen_ai.response.time_to_first_chunk"] == pytest.approx(first_chunk_s, abs=1e-5)
+    assert gpu["admission.time_to_first_token"] >= gpu["gen_ai.response.time_to_first_chunk"]
     assert line["ttft_ms"] is not None and line["ttft_ms"] >= line["upstream_ms"]
     assert by(before, after, "admission_ttft_seconds_count", "tenant") == {"a": 1}
     assert by(before, after, "admission_goodput_total", "tenant") == {"a": 1}
@@ -494,7 +501,7 @@ async def test_a_stream_that_started_has_its_engine_spans(
     assert attrs(one.one("proxy.batch")) == {"admission.timing_source": "engine"}
     gpu = attrs(one.one("proxy.gpu"))
     assert gpu["admission.timing_source"] == "proxy"
-    assert "gen_ai.server.time_to_first_token" in gpu
+    assert "gen_ai.response.time_to_first_chunk" in gpu
 
 
 async def test_many_requests_of_every_shape_at_once(

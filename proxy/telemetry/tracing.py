@@ -245,8 +245,14 @@ class Tracing:
             attributes["gen_ai.usage.input_tokens"] = record.input_tokens
         if record.output_tokens is not None:
             attributes["gen_ai.usage.output_tokens"] = record.output_tokens
-        if record.first_token_at is not None:
-            attributes["gen_ai.server.time_to_first_token"] = round(record.first_token_at - sent, 6)
+        # GenAI's own span attribute (``gen_ai.server.time_to_first_token`` is a metric's
+        # name, no attribute): request sent to the stream's first chunk, in seconds.
+        if record.streaming and record.first_byte_at is not None:
+            attributes["gen_ai.response.time_to_first_chunk"] = round(
+                record.first_byte_at - sent, 6
+            )
+        if record.first_token_at is not None:  # the first chunk that carried a token
+            attributes["admission.time_to_first_token"] = round(record.first_token_at - sent, 6)
         for key, value in (gpu or {}).items():
             attributes[f"admission.gpu.{key}"] = value
         child("proxy.gpu", batch_end, gpu_end, **attributes)
