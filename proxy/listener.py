@@ -361,6 +361,7 @@ class Connection(RequestHandler):
         # Traced like a request the handler ends: the access line's trace_id names a span.
         record.trace = runtime.telemetry.tracing.start_request(headers, record)
         record.fail(error)
+        record.entrance_done = now  # answered before any handler: all its time was here
         response = error_response(error, record)
         response.headers["Connection"] = "close"  # HTTP/1.0 answers get none from aiohttp
         response.force_close()

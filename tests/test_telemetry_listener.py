@@ -97,6 +97,9 @@ async def test_listener_answers_are_traced(
     assert root.start_time is not None and root.end_time is not None
     if status == 408:  # from the head's first byte, not from the answer
         assert (root.end_time - root.start_time) / 1e6 >= 300
+        assert line["entrance_ms"] >= 300
+        timing = next(h for h in head.split(b"\r\n") if h.lower().startswith(b"server-timing:"))
+        assert float(timing.split(b"entrance;dur=")[1].split(b",")[0]) >= 300
 
 
 async def test_a_connection_over_the_cap_is_traced(

@@ -225,6 +225,10 @@ async def test_entrance_timeout(start_proxy: Start, upstream_url: str, watch: Wa
         head = await reader.readuntil(b"\r\n\r\n")
     writer.close()
     assert head.startswith(b"HTTP/1.1 408")
+    # Server-Timing says where the time went: all of it at the entrance.
+    timing = next(h for h in head.split(b"\r\n") if h.lower().startswith(b"server-timing:"))
+    entrance = float(timing.split(b"entrance;dur=")[1].split(b",")[0])
+    assert entrance >= 200
     (one,), before, after = await watch.settle()
     line = one.line
     assert (line["outcome"], line["reason"]) == ("timed_out", "entrance_timeout")
