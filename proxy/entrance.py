@@ -199,6 +199,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return response
     except ProxyError as err:
         record.fail(err)
+        if record.entrance_done is None:  # refused at the entrance: all its time was there
+            record.entrance_done = runtime.clock.now()
         limits = await _refusal_limits(runtime, rules, record, admitted, exchange)
         return error_response(err, record, limits)
     except asyncio.CancelledError:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -347,16 +347,21 @@ class Connection(RequestHandler):
         """
         runtime = self._listener.runtime
         now = runtime.clock.now()
+        headers: Mapping[str, str] = {}
         if parsed and isinstance(request, web.Request):
             request_id = request_id_of(request)
             record = RequestRecord(request_id, now, method=request.method, path=request.path)
+            headers = request.headers
         else:
             request_id = os.urandom(16).hex()
             record = RequestRecord(request_id, now, method=UNPARSED, path=UNPARSED)
         if isinstance(error, EntranceTimeout):
             record.arrival = self._head_since
-        record.wall_arrival_ns = time.time_ns()
+        record.wall_arrival_ns = time.time_ns() - int((now - record.arrival) * 1e9)
+        # Traced like a request the handler ends: the access line's trace_id names a span.
+        record.trace = runtime.telemetry.tracing.start_request(headers, record)
         record.fail(error)
+        record.entrance_done = now  # answered before any handler: all its time was here
         response = error_response(error, record)
         response.headers["Connection"] = "close"  # HTTP/1.0 answers get none from aiohttp
         response.force_close()

@@ -97,6 +97,14 @@ class RequestRecord:
         layer = getattr(error, "layer", None)
         self.timeout_layer = layer if isinstance(layer, str) else None
 
+    def broke(self, error: ProxyError) -> None:
+        """The answer failed after the commit point: counted as ``error`` (outcome,
+        reason, timeout layer), logged with the status the client was sent, which
+        the SSE error event or the cut connection followed (docs/REFERENCE.md)."""
+        sent = self.status
+        self.fail(error)
+        self.status = sent
+
     def cancel(self) -> None:
         """The client left: logged with status 499 (docs/REFERENCE.md)."""
         self.status_sent = self.status
@@ -116,6 +124,10 @@ class RequestRecord:
         if self.ended_at is not None:
             raise RuntimeError(f"request {self.request_id} ended twice")
         self.ended_at = now
+        if self.entrance_done is None:
+            # It ended at the entrance (refused, timed out or left there): the entrance
+            # took its whole time, which its access line and wait layer show.
+            self.entrance_done = now
         if self.outcome is None:
             self.outcome = "completed" if 200 <= self.status < 300 else "failed"
         arrival = self.arrival

@@ -256,7 +256,7 @@ async def relay(
             record.cancel()
     except ProxyError as err:
         relayed.ending, relayed.failure = "broken", err
-        record.fail(err)
+        record.broke(err)
         reader.close()  # the error event has its own bound (_end_broken)
         await _end_broken(request, response, err, is_sse, grace_s=idle_s)
     except asyncio.CancelledError:
@@ -266,7 +266,7 @@ async def relay(
         # an error event would wait on the same client, so the connection is cut.
         relayed.ending = "broken"
         relayed.failure = TotalTimeout("the request's total budget ran out while the client read")
-        record.fail(relayed.failure)
+        record.broke(relayed.failure)
         if request.transport is not None:
             request.transport.abort()
     finally:

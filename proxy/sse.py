@@ -150,7 +150,8 @@ class SseMeter:
         if payload == b"[DONE]":
             self.done = True  # the engine finished: only the HTTP terminator is left
         elif payload:
-            self.content_events += 1
+            if not _finishing(payload) or _decoded_token(payload):
+                self.content_events += 1
             self._last = payload
             if self._lasts:
                 self._indexed(payload)
@@ -215,6 +216,22 @@ class SseMeter:
 
 
 _INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
+
+
+def _finishing(payload: bytes) -> bool:
+    """An event that names its answer's ``finish_reason`` (OpenAI's, vLLM's, the
+    simulator's last chunk): often an empty delta, not a token. A cheap test
+    first: every other event says ``"finish_reason": null`` or nothing."""
+    return b'"finish_reason":"' in payload or b'"finish_reason": "' in payload
+
+
+def _decoded_token(payload: bytes) -> bool:
+    """Whether a finishing event carries a token too (vLLM may send the last one
+    with the reason): decoded, once per answer."""
+    try:
+        return has_token(json.loads(payload))
+    except ValueError:
+        return True  # not JSON: counted as before
 
 
 def engine_counts(event: dict[str, Any], prompt: int | None) -> tuple[int | None, int | None]:

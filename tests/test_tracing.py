@@ -117,7 +117,7 @@ async def test_streamed_request_measures_gpu_time_itself(
     assert batch.attributes["admission.timing_source"] == "engine"
     assert gpu.attributes["admission.timing_source"] == "proxy"
     assert ms(batch) == pytest.approx(float(resp.headers["x-queue-time"]), abs=0.01)
-    assert "gen_ai.server.time_to_first_token" in gpu.attributes
+    assert "gen_ai.response.time_to_first_chunk" in gpu.attributes
 
 
 async def test_incoming_traceparent_is_the_parent_and_upstream_gets_its_own(

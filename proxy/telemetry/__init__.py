@@ -104,15 +104,19 @@ class Telemetry:
                 self._timeouts(record.timeout_layer).inc()
             arrival = record.arrival
             wait = self._wait
-            if record.entrance_done is not None:
-                wait.labels("entrance", tenant).observe(record.entrance_done - arrival)
+            # Each layer observes every request that entered it, up to when it left it,
+            # however that was (answered, timed out, refused, the client gone): the
+            # waits that ended a request are the ones an operator looks for.
+            ended = record.ended_at if record.ended_at is not None else arrival
+            entrance_done = record.entrance_done if record.entrance_done is not None else ended
+            wait.labels("entrance", tenant).observe(entrance_done - arrival)
             if record.enqueued_at is not None:
-                left_queue = record.dispatched_at or record.ended_at or record.enqueued_at
+                left_queue = record.dispatched_at or ended
                 wait.labels("queue", tenant).observe(left_queue - record.enqueued_at)
-            if record.dispatched_at is not None and record.first_byte_at is not None:
-                wait.labels("first_byte", tenant).observe(
-                    record.first_byte_at - record.dispatched_at
-                )
+            dispatched = record.dispatched_at
+            if dispatched is not None:
+                first_byte = record.first_byte_at if record.first_byte_at is not None else ended
+                wait.labels("first_byte", tenant).observe(first_byte - dispatched)
             if record.first_token_at is not None:
                 self._ttft.labels(tenant).observe(record.first_token_at - arrival)
             if record.ended_at is not None:

@@ -133,15 +133,25 @@ class GpuSampler:
         if not await asyncio.to_thread(self._probe.available):
             return
         loop = asyncio.get_running_loop()
+        failing = False
         while True:
             sampled_at = loop.time()
             try:
                 readings = await asyncio.to_thread(self._probe.sample)
-            except Exception as exc:  # a failed sample keeps the last snapshot
-                log.warning("gpu sample failed", error=str(exc))
+            except Exception as exc:
+                # No reading is shown as current, and none holds a replica off (the
+                # memory guard), while NVML fails: like stale engine metrics, the
+                # last readings are dropped, not kept for good. Logged once a run.
+                if not failing:
+                    log.warning("gpu sample failed", error=str(exc) or type(exc).__name__)
+                failing = True
+                self.snapshot = {}
             else:
+                if failing:
+                    log.info("gpu samples again", gpus=len(readings))
+                failing = False
                 self.snapshot = {r.index: r for r in readings}
-                self._on_sample()
+            self._on_sample()
             await self._wait_until_due(loop, sampled_at)
 
     async def _wait_until_due(self, loop: asyncio.AbstractEventLoop, sampled_at: float) -> None:

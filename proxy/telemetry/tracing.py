@@ -220,9 +220,12 @@ class Tracing:
 
         From the engine's own timing headers when it sent them (``engine``),
         else measured here: request sent to first token, first token to last
-        chunk (``proxy``). Each span says which.
+        chunk (``proxy``). Each span says which. Any 2xx answer that began has
+        them, also one its client left or that broke off mid-stream: the engine
+        queued and computed for it all the same, up to the end.
         """
-        if record.outcome != "completed" or not rt.attempts:
+        status = record.upstream_status
+        if status is None or not 200 <= status < 300 or not rt.attempts:
             return
         sent = rt.attempts[-1].sent_at
         first = record.first_token_at or record.first_byte_at
@@ -242,8 +245,14 @@ class Tracing:
             attributes["gen_ai.usage.input_tokens"] = record.input_tokens
         if record.output_tokens is not None:
             attributes["gen_ai.usage.output_tokens"] = record.output_tokens
-        if record.first_token_at is not None:
-            attributes["gen_ai.server.time_to_first_token"] = round(record.first_token_at - sent, 6)
+        # GenAI's own span attribute (``gen_ai.server.time_to_first_token`` is a metric's
+        # name, no attribute): request sent to the stream's first chunk, in seconds.
+        if record.streaming and record.first_byte_at is not None:
+            attributes["gen_ai.response.time_to_first_chunk"] = round(
+                record.first_byte_at - sent, 6
+            )
+        if record.first_token_at is not None:  # the first chunk that carried a token
+            attributes["admission.time_to_first_token"] = round(record.first_token_at - sent, 6)
         for key, value in (gpu or {}).items():
             attributes[f"admission.gpu.{key}"] = value
         child("proxy.gpu", batch_end, gpu_end, **attributes)
