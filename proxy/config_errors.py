@@ -75,6 +75,24 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def mask_url_password(value: str) -> str:
+    """``value`` with the password of a ``scheme://user:password@host`` URL as ``***``.
+
+    A Redis URL (``redis://:password@host``) or an upstream URL may carry a
+    password; the effective config (``check-config``, ``GET /admin/config``),
+    errors and logs show the URL without it. Anything else is returned as is.
+    """
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return value
+    authority, slash, tail = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return value
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{host}{slash}{tail}"
+
+
 def stored_key_digest(entry: str) -> str:
     """The digest of an ``api_keys`` entry: plain keys hashed, ``sha256:`` entries as they are."""
     if entry.startswith(SHA256_PREFIX):
@@ -90,9 +108,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
+    """Keys written twice in this mapping are an error; keys a merge (``<<: *defaults``)
+    brings in are not: a key written next to the merge overrides it, as YAML says."""
     seen: set[object] = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node)
         if isinstance(key, str | int | float | bool) and key in seen:
             raise yaml.constructor.ConstructorError(
@@ -128,6 +149,8 @@ def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
         message = f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
         if exc.context:
             message += f" ({exc.context})"
+        if "'\\t'" in str(exc.problem):
+            message += "; YAML indents with spaces, never tabs"
         return ConfigIssue("<yaml>", message)
     return ConfigIssue("<yaml>", str(exc))
 
@@ -215,6 +238,10 @@ def issues_from_validation_error(
 _SEQUENCE_TYPES = frozenset({"tuple_type", "list_type", "set_type", "frozen_set_type"})
 
 
+#: Pydantic's error types for a value that is not a whole number.
+_INT_TYPES = frozenset({"int_type", "int_parsing", "int_from_float"})
+
+
 #: The config's name patterns in words (pydantic quotes the regular expression).
 _PATTERNS = {
     r"^[A-Za-z0-9][A-Za-z0-9_.-]*$": (
@@ -233,6 +260,8 @@ def _plain_message(
         message = _PATTERNS.get(str(ctx.get("pattern")), message)
     if kind == "extra_forbidden":
         return "unknown key"
+    if kind in _INT_TYPES and loc and str(loc[-1]).endswith("_ms"):
+        message = "input should be a whole number of milliseconds (5 s is 5000)"
     if kind == "missing":
         return "required key is missing"
     secret = any(part in _SECRET_KEYS for part in loc)
@@ -245,6 +274,8 @@ def _plain_message(
         message = message[:1].lower() + message[1:]
     elif value is None:  # a cross-field rule: its message says it all
         return message
+    if isinstance(value, str):
+        value = mask_url_password(value)
     if not secret and (value is None or isinstance(value, str | int | float | bool)):
         message += f" (got {value!r})"
     return message

@@ -43,7 +43,9 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel
 
+from proxy.config_errors import mask_url_password
 from proxy.config_history import ConfigEntry, ConfigHistory
+from proxy.config_warnings import config_warnings
 from proxy.errors import NoPreviousConfig
 from proxy.replicas import Replica, ReplicaState
 from proxy.runtime import Rules, Runtime
@@ -120,6 +122,9 @@ class Reloader:
                 self._digest = digest  # do not retry the same bad file every poll
                 return ReloadResult(False, exc.issues)
             self._digest = digest
+            for warning in config_warnings(config):
+                log.warning("config setting has no effect", path=warning.path,
+                            problem=warning.message)  # fmt: skip
             for key, at_start, configured in needs_restart(self._started, config):
                 log.warning("setting changed: takes effect after a restart", key=key,
                             running=at_start, configured=configured)  # fmt: skip
@@ -167,6 +172,8 @@ def needs_restart(old: Config, new: Config) -> list[tuple[str, object, object]]:
         running = getattr(getattr(old, section), key)
         configured = getattr(getattr(new, section), key)
         if running != configured:
+            if isinstance(running, str) and isinstance(configured, str):  # redis_url: no password
+                running, configured = mask_url_password(running), mask_url_password(configured)
             changed.append((f"{section}.{key}", running, configured))
     return changed
 

@@ -72,6 +72,7 @@ from proxy.config_errors import (
     ConfigIssue,
     hash_api_key,
     issues_from_validation_error,
+    mask_url_password,
     read_document,
     rule,
     rule_violations,
@@ -107,6 +108,7 @@ from proxy.config_sections import (
     TelemetryConfig,
     TimeoutsConfig,
     WarmupConfig,
+    refuse_boolean,
 )
 from proxy.config_tenants import *  # noqa: F403 - re-exported, see __all__
 from proxy.config_tenants import ANONYMOUS_REJECT, TenantConfig
@@ -236,6 +238,12 @@ class Config(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Constructor, then environment, then the YAML document; no dotenv, no secrets."""
         return (init_settings, env_settings, _DocumentSource(settings_cls, _document.get()))
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: object) -> object:
+        """No top-level key takes a boolean (``config_history: yes`` is not 1)."""
+        return refuse_boolean(value)
 
     @field_validator("replicas", mode="wrap")
     @classmethod
@@ -391,10 +399,17 @@ def dump_effective_config(config: Config, *, mask_secrets: bool = False) -> str:
     """The effective config as YAML, every default filled in, keys in the reference's order.
 
     With ``mask_secrets`` every ``api_keys`` entry, ``sha256:`` ones included,
-    becomes ``"***"``; the output then no longer loads (its keys collide).
+    becomes ``"***"``, and so does the password of every URL that carries one
+    (``state.redis_url``, a replica's ``url`` or ``metrics_url``); the output
+    then no longer loads (its keys collide).
     """
     data = config.model_dump(mode="json")
     if mask_secrets:
         for tenant in data["tenants"].values():
             tenant["api_keys"] = [MASK for _ in tenant["api_keys"]]
+        for replica in data["replicas"]:
+            for key in ("url", "metrics_url"):
+                if replica[key] is not None:
+                    replica[key] = mask_url_password(replica[key])
+        data["state"]["redis_url"] = mask_url_password(data["state"]["redis_url"])
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False)
