@@ -49,7 +49,7 @@ from proxy.config_warnings import config_warnings
 from proxy.errors import NoPreviousConfig
 from proxy.replicas import Replica, ReplicaState
 from proxy.runtime import Rules, Runtime
-from proxy.settings import Config, ConfigError, ConfigIssue, load_config
+from proxy.settings import Config, ConfigError, ConfigIssue, load_config, read_config_bytes
 from proxy.tls import ReplicaTls, same_files, tls_by_replica
 
 log = structlog.get_logger(__name__)
@@ -83,8 +83,10 @@ class ReloadResult:
 
 
 def _digest(path: Path) -> str | None:
+    """SHA-256 of the file (of its first ``MAX_CONFIG_BYTES`` + 1 bytes: a bigger one is
+    refused anyway, and is not read whole every poll)."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return hashlib.sha256(read_config_bytes(path)).hexdigest()
     except OSError:
         return None
 

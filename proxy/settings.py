@@ -116,9 +116,10 @@ from proxy.models import alias_problems, static_models
 
 #: Every config name, importable from here as it was before the sections moved out.
 __all__ = [
-    "DEFAULT_ROUTES", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "MASK", "SHA256_PREFIX", "Config",
-    "ConfigError", "ConfigIssue", "config_from_mapping", "dump_effective_config", "hash_api_key",
-    "load_config", "parse_config", "stored_key_digest",
+    "DEFAULT_ROUTES", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "MASK", "MAX_CONFIG_BYTES",
+    "SHA256_PREFIX", "Config", "ConfigError", "ConfigIssue", "config_from_mapping",
+    "dump_effective_config", "hash_api_key", "load_config", "parse_config", "read_config_bytes",
+    "stored_key_digest",
 ]  # fmt: skip
 __all__ += config_sections.__all__
 __all__ += config_tenants.__all__
@@ -149,6 +150,10 @@ DEFAULT_ROUTES: tuple[str, ...] = (
     "/infill",
     "/rerank",
 )
+#: The largest config file read: PyYAML parses about 4 MB/s, and a reload runs
+#: beside the traffic; the largest real configs (thousands of tenants) are a
+#: few MiB. A bigger file is refused unparsed.
+MAX_CONFIG_BYTES = 8 * 2**20
 #: ``anonymous`` value that answers requests without a key with 401.
 #: What ``dump_effective_config(mask_secrets=True)`` writes for every API key.
 MASK = "***"
@@ -361,11 +366,24 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate the config file at ``path``; every failure is a ``ConfigError``."""
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as file:
-            text = file.read()
+        data = read_config_bytes(source)
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([ConfigIssue("<file>", f"cannot read {source}: {exc}")], source) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        message = (
+            f"{source} is larger than {MAX_CONFIG_BYTES // 2**20} MiB: a config is a few "
+            "KiB (is it the right file?)"
+        )
+        raise ConfigError([ConfigIssue("<file>", message)], source)
     return parse_config(text, source)
+
+
+def read_config_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The file's bytes, at most ``MAX_CONFIG_BYTES`` + 1: a log file or a model's
+    weights named by mistake is refused for its size, not read whole into memory."""
+    with open(path, "rb") as file:
+        return file.read(MAX_CONFIG_BYTES + 1)
 
 
 def config_from_mapping(document: Mapping[str, Any], source: str = "<mapping>") -> Config:

@@ -18,8 +18,9 @@ import yaml
 from proxy.cli import EXIT_INVALID, EXIT_OK, check_config
 from proxy.config_warnings import config_warnings
 from proxy.reload import needs_restart
-from proxy.settings import ConfigError, dump_effective_config, parse_config
+from proxy.settings import MAX_CONFIG_BYTES, ConfigError, dump_effective_config, parse_config
 from tests.conftest import ProxyUnderTest
+from tests.helpers import samples_by_label
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 
@@ -288,3 +289,51 @@ def test_check_config_exit_codes(tmp_path: Path) -> None:
     code, _, err = _check_path(tmp_path)
     assert code == EXIT_INVALID and "<file>: cannot read" in err and "Is a directory" in err
     assert "Traceback" not in err
+
+
+def _huge(path: Path) -> Path:
+    """A valid config followed by comments past ``MAX_CONFIG_BYTES`` (a log file's size)."""
+    line = "# " + "x" * 1021 + "\n"
+    with path.open("w") as file:
+        file.write(REPLICA + TENANT)
+        file.write(line * (MAX_CONFIG_BYTES // len(line) + 1))
+    return path
+
+
+def test_a_huge_file_is_refused_for_its_size_unparsed(tmp_path: Path) -> None:
+    """A file past 8 MiB (the wrong file named, a log) was read whole and parsed: tens of
+    seconds of PyYAML for each reload beside the traffic, and all of memory for a big
+    enough one. It is refused at once, in words; a reload keeps the running config."""
+    code, out, err = _check_path(_huge(tmp_path / "proxy.yaml"))
+    assert (code, out) == (EXIT_INVALID, "")
+    assert err.splitlines()[1] == (
+        f"<file>: {tmp_path / 'proxy.yaml'} is larger than 8 MiB: a config is a few KiB "
+        "(is it the right file?)"
+    )
+
+
+async def test_a_reload_of_a_huge_file_or_a_directory_keeps_the_running_config(
+    start_proxy: Start, upstream_url: str, tmp_path: Path
+) -> None:
+    """The file swapped for a huge one, then for a directory (a ConfigMap mounted at the
+    wrong level): each ``POST /admin/reload`` is 422 naming ``<file>`` and why, counted as
+    invalid, and the running config is the one that ran before."""
+    path = tmp_path / "proxy.yaml"
+    text = f"replicas:\n  - {{name: r0, url: '{upstream_url}', max_concurrency: 2}}\n" + TENANT
+    path.write_text(text)
+    proxy = await start_proxy(parse_config(text), config_path=str(path))
+    before = proxy.runtime.rules
+    _huge(path)
+    answer = await proxy.client.post("/admin/reload")
+    body = await answer.json()
+    assert answer.status == 422 and body["result"] == "invalid"
+    assert [e["path"] for e in body["errors"]] == ["<file>"]
+    assert "larger than 8 MiB" in body["errors"][0]["message"]
+    path.unlink()
+    path.mkdir()
+    answer = await proxy.client.post("/admin/reload")
+    body = await answer.json()
+    assert answer.status == 422 and "Is a directory" in body["errors"][0]["message"]
+    assert proxy.runtime.rules is before
+    metrics = await (await proxy.client.get("/metrics")).text()
+    assert samples_by_label(metrics, "admission_config_reloads_total", "result")["invalid"] == 2
