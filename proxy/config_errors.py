@@ -22,14 +22,17 @@ environment override that could not be decoded). Nothing here does I/O.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
+import types
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 RULE_ERROR_TYPE = "config_rule"
@@ -213,8 +216,12 @@ def issues_from_validation_error(
     env_prefix: str = "",
     env_delimiter: str = "__",
     environ: Mapping[str, str] | None = None,
+    model: type[BaseModel] | None = None,
 ) -> list[ConfigIssue]:
     """Pydantic's errors as issues, noting which value came from the environment.
+
+    With ``model`` (the one validated), an unknown key close to a key of its
+    section is told which one was probably meant (``api_key`` for ``api_keys``).
 
     An environment override wins over the file, so a bad value there looks like
     a bad value in the file; naming the variable saves the operator a search.
@@ -226,6 +233,8 @@ def issues_from_validation_error(
         message = _plain_message(
             error["type"], error["msg"], error.get("input"), loc, error.get("ctx")
         )
+        if error["type"] == "extra_forbidden" and model is not None:
+            message += _suggestion(model, loc)
         if env_prefix:
             variable = _env_variable(loc, env_prefix, env_delimiter, env_names)
             if variable is not None:
@@ -289,3 +298,48 @@ def _env_variable(loc: Loc, prefix: str, delimiter: str, env_names: set[str]) ->
         if name in env_names:
             return name
     return None
+
+
+def _suggestion(model: type[BaseModel], loc: Loc) -> str:
+    """``"; did you mean 'x'?"`` for the unknown key at ``loc``, or nothing."""
+    known = _keys_at(model, loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _keys_at(model: type[BaseModel], loc: Loc) -> list[str]:
+    """The keys of the section at ``loc`` (list indexes and mapping keys stepped over)."""
+    annotation: object = model
+    for part in loc:
+        annotation = _unwrap(annotation)
+        origin = typing.get_origin(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return []
+            annotation = field.annotation
+        elif origin is tuple or origin is list:
+            annotation = typing.get_args(annotation)[0]
+        elif origin is dict:
+            annotation = typing.get_args(annotation)[1]
+        else:
+            return []
+    annotation = _unwrap(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return []
+
+
+def _unwrap(annotation: object) -> object:
+    """``X`` of ``X | None`` and of ``Annotated[X, ...]``."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin is typing.Union or origin is types.UnionType:
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) != 1:
+                return annotation
+            annotation = args[0]
+        else:
+            return annotation

@@ -393,7 +393,7 @@ def config_from_mapping(document: Mapping[str, Any], source: str = "<mapping>") 
         return Config()
     except ValidationError as exc:
         issues = issues_from_validation_error(
-            exc, env_prefix=ENV_PREFIX, env_delimiter=ENV_NESTED_DELIMITER
+            exc, env_prefix=ENV_PREFIX, env_delimiter=ENV_NESTED_DELIMITER, model=Config
         )
         raise ConfigError(issues, source) from None
     except SettingsError as exc:

@@ -90,6 +90,29 @@ def test_a_tab_in_the_indentation_says_yaml_wants_spaces() -> None:
     assert issues["<yaml>"].endswith("YAML indents with spaces, never tabs")
 
 
+def test_a_misspelt_key_is_told_the_key_it_resembles() -> None:
+    """``api_key`` for ``api_keys``, ``headrom``, ``budget``: "unknown key" alone left the
+    operator comparing letters with the reference; the nearest key of that section is
+    named, at any depth (lists and tenant names stepped over). Nothing close: no guess."""
+    text = (
+        "replicas:\n"
+        "  - {name: gpu-0, url: 'http://127.0.0.1:9001', max_concurrency: 4, headrom: 1}\n"
+        "budget: {queue_ms: 1}\n"
+        "routing: {polcy: x}\n"
+        "tenants:\n"
+        "  acme: {api_key: [k1], token_quota: {per_minut: 3}, budgets: {total: 5}, zzz: 1}\n"
+    )
+    assert _issues(text) == {
+        "replicas[0].headrom": "unknown key; did you mean 'headroom'?",
+        "budget": "unknown key; did you mean 'budgets'?",
+        "routing.polcy": "unknown key; did you mean 'policy'?",
+        "tenants.acme.api_key": "unknown key; did you mean 'api_keys'?",
+        "tenants.acme.token_quota.per_minut": "unknown key; did you mean 'per_minute'?",
+        "tenants.acme.budgets.total": "unknown key; did you mean 'total_ms'?",
+        "tenants.acme.zzz": "unknown key",
+    }
+
+
 # --- values of the wrong kind ----------------------------------------------
 
 
