@@ -48,8 +48,10 @@ def config_warnings(config: Config, environ: Mapping[str, str] | None = None) ->
             message = f"does not list the tenant's priority {tenant.priority!r}, {_OWN_CLASS}"
             warn(f"tenants.{name}.allowed_priorities", message)
     for i, replica in enumerate(config.replicas):
-        if replica.api_key_env is not None and replica.api_key_env not in env:
-            message = f"environment variable {replica.api_key_env} is not set here: {_NO_KEY}"
+        if replica.api_key_env is not None and not env.get(replica.api_key_env):
+            message = (
+                f"environment variable {replica.api_key_env} is unset or empty here: {_NO_KEY}"
+            )
             warn(f"replicas[{i}].api_key_env", message)
     first_url: dict[str, int] = {}
     for i, replica in enumerate(config.replicas):

@@ -266,7 +266,7 @@ def test_check_config_warns_of_settings_that_do_nothing(tmp_path: Path) -> None:
         "warning: tenants.acme.allowed_priorities: does not list the tenant's priority "
         "'interactive', which is allowed all the same",
         "warning: replicas[0].api_key_env: environment variable OPERATOR_TEST_UNSET_KEY is "
-        "not set here: no key would be sent to this replica",
+        "unset or empty here: no key would be sent to this replica",
         "warning: saturation.max_waiting: has no effect: no replica has a metrics_url to "
         "read the engine's saturation from",
         "warning: gpu.memory_guard: has no effect: no replica has a gpu_index",
@@ -293,6 +293,8 @@ def test_the_same_knobs_where_they_act_warn_of_nothing(monkeypatch: pytest.Monke
         "  globex: {api_keys: [g]}\n"
     )
     assert config_warnings(parse_config(text)) == []
+    empty = config_warnings(parse_config(text), environ={"OPERATOR_TEST_KEY": ""})
+    assert [w.path for w in empty] == ["replicas[0].api_key_env"]  # sends no key either
     for shipped in ("example.yaml", "demo.yaml"):
         code, _, err = _check_path(REPO / "config" / shipped)
         assert (code, err) == (EXIT_OK, "")
