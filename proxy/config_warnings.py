@@ -6,7 +6,8 @@ tenant ``weight`` with no other tenant to share with, a saturation threshold
 with no replica ``metrics_url`` to read it from, two replica entries for one
 engine (a copied block whose port was left as it was: the engine gets the
 seats of both, which is right only when they split its knee between two
-model pools). Each is not an error (the
+model pools), an ``ADMISSION_*`` override that sets nothing (a misspelt
+section, or ``_`` where ``__`` was meant: pydantic-settings ignores both). Each is not an error (the
 proxy runs as documented), but the operator who wrote it expected something,
 so ``check-config`` prints it as a ``warning:`` line (exit 0 still) and a
 reload logs it. Warnings are ``ConfigIssue``s at the key's YAML path; nothing
@@ -15,6 +16,7 @@ here does I/O beyond reading the environment for ``api_key_env``.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +25,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel
 
 from proxy.config_errors import ConfigIssue
-from proxy.settings import Config
+from proxy.settings import DEFAULT_ADMIN_TOKEN_ENV, ENV_NESTED_DELIMITER, ENV_PREFIX, Config
 
 
 def config_warnings(config: Config, environ: Mapping[str, str] | None = None) -> list[ConfigIssue]:
@@ -72,7 +74,43 @@ def config_warnings(config: Config, environ: Mapping[str, str] | None = None) ->
         keys = ("redis_url", "key_prefix", "lease_ms", "timeout_ms", "on_failure")
         for key in _changed(config.state, keys):
             warn(f"state.{key}", "has no effect with state.backend local")
+    read = {config.admin.token_env, DEFAULT_ADMIN_TOKEN_ENV}
+    read |= {r.api_key_env for r in config.replicas if r.api_key_env}
+    for name in sorted(env):
+        if name not in read:
+            problem = _ignored_override(name)
+            if problem is not None:
+                warn("<env>", problem)
     return warnings
+
+
+def _ignored_override(name: str) -> str | None:
+    """Why ``ADMISSION_...`` variable ``name`` sets nothing, when it looks meant to.
+
+    pydantic-settings ignores a variable that names no key, so a misspelt section
+    (``ADMISSION_BUDGET__QUEUE_MS``) or one ``_`` where ``__`` separates a section
+    from its key (``ADMISSION_STATE_BACKEND``) would leave the file's value in force
+    without a word. Other ``ADMISSION_*`` names (the admin token's) are left alone.
+    """
+    if not name.upper().startswith(ENV_PREFIX):
+        return None
+    rest = name[len(ENV_PREFIX) :].lower()
+    head, sep, _ = rest.partition(ENV_NESTED_DELIMITER)
+    keys = list(Config.model_fields)
+    if sep and head not in keys:
+        close = difflib.get_close_matches(head, keys, n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"{name} sets nothing: there is no top-level key {head!r}{hint}"
+    for key in keys:
+        if not sep and rest.startswith(f"{key}_") and isinstance(_section_default(key), BaseModel):
+            meant = f"{ENV_PREFIX}{key}{ENV_NESTED_DELIMITER}{rest[len(key) + 1 :]}".upper()
+            return f"{name} sets nothing: a key of {key} is set with two underscores ({meant})"
+    return None
+
+
+def _section_default(key: str) -> object:
+    field = Config.model_fields[key]
+    return None if field.is_required() else field.get_default(call_default_factory=True)
 
 
 _NO_AFFINITY = "has no effect with routing.policy least_loaded (only prefix_affinity reads it)"

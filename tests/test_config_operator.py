@@ -362,3 +362,24 @@ async def test_a_reload_of_a_huge_file_or_a_directory_keeps_the_running_config(
     assert proxy.runtime.rules is before
     metrics = await (await proxy.client.get("/metrics")).text()
     assert samples_by_label(metrics, "admission_config_reloads_total", "result")["invalid"] == 2
+
+
+def test_an_override_that_sets_nothing_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ADMISSION_BUDGET__QUEUE_MS`` (the section misspelt) and ``ADMISSION_STATE_BACKEND``
+    (one ``_`` for ``__``) were ignored without a word: the file's value ran. Each is a
+    warning naming what was meant; real overrides, the admin token's variable and other
+    ``ADMISSION_*`` names (the workers' own) say nothing."""
+    for name, value in {
+        "ADMISSION_BUDGET__QUEUE_MS": "500", "ADMISSION_STATE_BACKEND": "redis",
+        "ADMISSION_XYZ__A": "1", "ADMISSION_SERVER__PORT": "9000",
+        "ADMISSION_ADMIN_TOKEN": "t", "ADMISSION_PROXY_WORKER_GROUP": "g",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    warnings = config_warnings(parse_config(REPLICA + TENANT))
+    assert [str(w) for w in warnings] == [
+        "<env>: ADMISSION_BUDGET__QUEUE_MS sets nothing: there is no top-level key 'budget'; "
+        "did you mean 'budgets'?",
+        "<env>: ADMISSION_STATE_BACKEND sets nothing: a key of state is set with two "
+        "underscores (ADMISSION_STATE__BACKEND)",
+        "<env>: ADMISSION_XYZ__A sets nothing: there is no top-level key 'xyz'",
+    ]
