@@ -7,8 +7,10 @@ writing configs from config/example.yaml and docs/REFERENCE.md, and what
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -19,14 +21,24 @@ from proxy.cli import EXIT_INVALID, EXIT_OK, check_config
 from proxy.config_warnings import config_warnings
 from proxy.reload import needs_restart
 from proxy.settings import MAX_CONFIG_BYTES, ConfigError, dump_effective_config, parse_config
-from tests.conftest import ProxyUnderTest
-from tests.helpers import samples_by_label
+from tests.conftest import ProxyUnderTest, ServerFactory
+from tests.helpers import samples_by_label, wait_for
+from tests.upstreams import build_upstream
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
 
 REPO = Path(__file__).resolve().parent.parent
 REPLICA = "replicas:\n  - {name: gpu-0, url: 'http://127.0.0.1:9001', max_concurrency: 4}\n"
 TENANT = "tenants:\n  acme: {api_keys: [sk-acme-1]}\n"
+CHAT = "/v1/chat/completions"
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @pytest.fixture(autouse=True)
@@ -383,3 +395,95 @@ def test_an_override_that_sets_nothing_is_a_warning(monkeypatch: pytest.MonkeyPa
         "underscores (ADMISSION_STATE__BACKEND)",
         "<env>: ADMISSION_XYZ__A sets nothing: there is no top-level key 'xyz'",
     ]
+
+
+# --- reloads ---------------------------------------------------------------
+
+
+async def test_a_replica_whose_url_changes_is_probed_and_warmed_as_a_new_one(
+    start_proxy: Start, upstream_url: str, aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """Day ninety: gpu r1 moved to a new host, its ``url`` edited, its name kept. The
+    replica was reconfigured in place and kept serving, so traffic went at once to an
+    engine that may still be loading. Now the new URL is a new replica (starting until
+    probed and warmed: the probe interval here is longer than the test), while the
+    request running on the old engine finishes there."""
+    second = await aiohttp_server(build_upstream())
+    second_url = str(second.make_url("")).rstrip("/")
+    moved_to = f"http://127.0.0.1:{_closed_port()}"
+    path = tmp_path / "proxy.yaml"
+
+    def document(r1_url: str) -> str:
+        return (
+            f"replicas:\n  - {{name: r0, url: '{upstream_url}', max_concurrency: 1}}\n"
+            f"  - {{name: r1, url: '{r1_url}', max_concurrency: 1}}\n"
+            "health: {interval_ms: 600000}\n" + TENANT
+        )
+
+    path.write_text(document(second_url))
+    proxy = await start_proxy(parse_config(path.read_text()), config_path=str(path))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    auth = {"Authorization": "Bearer sk-acme-1"}
+    running = [
+        asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 300}, headers=auth))
+        for _ in range(2)
+    ]
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 2)  # one on each
+    old = proxy.runtime.pool.get("r1")
+    path.write_text(document(moved_to))
+    answer = await proxy.client.post("/admin/reload")
+    assert (await answer.json())["result"] == "ok"
+    new = proxy.runtime.pool.get("r1")
+    assert new is not None and new is not old and new.url == moved_to
+    assert new.starting and not new.serving
+    state = await (await proxy.client.get("/admin/state")).json()
+    assert state["replicas"]["r1"]["state"] == "starting"
+    assert [r.status for r in await asyncio.gather(*running)] == [200, 200]
+    served = await proxy.client.post(CHAT, json={}, headers=auth)
+    assert served.status == 200  # on r0: nothing is sent to the engine not yet up
+    await wait_for(lambda: not proxy.runtime.active)
+    proxy.assert_idle()
+
+
+async def test_a_url_change_rolled_back_while_the_old_engine_runs_puts_it_back(
+    start_proxy: Start, upstream_url: str, aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """r1's URL edited, then ``POST /admin/rollback`` while r1's old engine still runs a
+    request: r1 is the old replica again, serving at once and counting the request it
+    runs against its one seat (not a second replica for one engine, counting 0)."""
+    second = await aiohttp_server(build_upstream())
+    second_url = str(second.make_url("")).rstrip("/")
+    path = tmp_path / "proxy.yaml"
+
+    def document(r1_url: str) -> str:
+        return (
+            f"replicas:\n  - {{name: r0, url: '{upstream_url}', max_concurrency: 1}}\n"
+            f"  - {{name: r1, url: '{r1_url}', max_concurrency: 1}}\n"
+            "health: {interval_ms: 600000}\ntimeouts: {cancel_grace_ms: 0}\n" + TENANT
+        )
+
+    path.write_text(document(second_url))
+    proxy = await start_proxy(parse_config(path.read_text()), config_path=str(path))
+    await wait_for(lambda: all(r.serving for r in proxy.runtime.pool.replicas))
+    auth = {"Authorization": "Bearer sk-acme-1"}
+    running = [  # held for the test's length, then let go by the client
+        asyncio.ensure_future(proxy.client.post(CHAT, json={"hang_ms": 60000}, headers=auth))
+        for _ in range(2)
+    ]
+    await wait_for(lambda: proxy.runtime.pool.total_inflight() == 2)
+    old = proxy.runtime.pool.get("r1")
+    assert old is not None
+    path.write_text(document(f"http://127.0.0.1:{_closed_port()}"))
+    assert (await (await proxy.client.post("/admin/reload")).json())["result"] == "ok"
+    assert proxy.runtime.pool.get("r1") is not old
+    answer = await proxy.client.post("/admin/rollback")
+    assert answer.status == 200
+    back = proxy.runtime.pool.get("r1")
+    assert back is old and back.serving and not back.retired
+    assert (back.url, back.inflight, back.has_free_seat) == (second_url, 1, False)
+    for request in running:
+        request.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    await wait_for(lambda: not proxy.runtime.active and proxy.runtime.pool.total_inflight() == 0)
+    assert (await proxy.client.post(CHAT, json={}, headers=auth)).status == 200
+    proxy.assert_idle()
