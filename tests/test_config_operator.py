@@ -125,6 +125,20 @@ def test_a_misspelt_key_is_told_the_key_it_resembles() -> None:
     }
 
 
+def test_a_tenant_without_a_class_under_replaced_priorities_is_told_why() -> None:
+    """``priorities`` written with other classes replaces the three defaults; a tenant that
+    names no class was told "'standard': unknown priority class", a word it never wrote."""
+    text = REPLICA + (
+        "priorities: {gold: {weight: 2}, silver: {weight: 1}}\n"
+        "tenants:\n  a: {api_keys: [k1]}\n  b: {api_keys: [k2], priority: bronze}\n"
+    )
+    assert _issues(text) == {
+        "tenants.a.priority": "'standard' (the default, as the tenant names none): unknown "
+        "priority class (configured: gold, silver)",
+        "tenants.b.priority": "'bronze': unknown priority class (configured: gold, silver)",
+    }
+
+
 # --- values of the wrong kind ----------------------------------------------
 
 
