@@ -108,8 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if refusal is not None:
             print(f"invalid config {args.config}: {refusal}", file=sys.stderr)
             return EXIT_INVALID
-        for warning in config_warnings(config):
-            print(f"warning: {warning}", file=sys.stderr)
+        if not args.reuse_port:  # a worker of ``--workers N``: its parent said it once
+            for warning in config_warnings(config):
+                print(f"warning: {warning}", file=sys.stderr)
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
         if args.workers > 1:

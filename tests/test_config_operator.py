@@ -22,7 +22,10 @@ from proxy.config_warnings import config_warnings
 from proxy.reload import needs_restart
 from proxy.settings import MAX_CONFIG_BYTES, ConfigError, dump_effective_config, parse_config
 from tests.conftest import ProxyUnderTest, ServerFactory
+from tests.fleet import CLI as CLI_ARGS
+from tests.fleet import ProxyProcess
 from tests.helpers import samples_by_label, wait_for
+from tests.redis_server import RedisServer
 from tests.upstreams import build_upstream
 
 Start = Callable[..., Awaitable[ProxyUnderTest]]
@@ -501,3 +504,33 @@ async def test_a_url_change_rolled_back_while_the_old_engine_runs_puts_it_back(
     await wait_for(lambda: not proxy.runtime.active and proxy.runtime.pool.total_inflight() == 0)
     assert (await proxy.client.post(CHAT, json={}, headers=auth)).status == 200
     proxy.assert_idle()
+
+
+@pytest.mark.redis
+async def test_serve_prints_each_warning_once_for_its_workers(
+    tmp_path: Path, upstream_url: str, redis_server: RedisServer
+) -> None:
+    """``serve`` prints the same ``warning:`` lines as check-config, on stderr before it
+    listens; with ``--workers 2`` once (the parent's), not once more per worker."""
+    text = (
+        f"replicas:\n  - {{name: r0, url: '{upstream_url}', max_concurrency: 2}}\n"
+        f"state: {{backend: redis, redis_url: '{redis_server.url}'}}\n"
+        "routing: {affinity_header: X-User}\n" + TENANT
+    )
+    path = tmp_path / "proxy.yaml"
+    path.write_text(text)
+    args = [*CLI_ARGS, "serve", "--config", str(path), "--host", "127.0.0.1", "--port", "0"]
+    with (tmp_path / "stderr").open("wb") as stderr:
+        proc = await asyncio.create_subprocess_exec(
+            *args, "--workers", "2", stdout=asyncio.subprocess.PIPE, stderr=stderr
+        )
+    process = ProxyProcess(proc, 2)
+    try:
+        await process.wait_listening()
+    finally:
+        assert await process.stop() == 0
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert [line for line in lines if line.startswith("warning:")] == [
+        "warning: routing.affinity_header: has no effect with routing.policy least_loaded "
+        "(only prefix_affinity reads it)"
+    ]
