@@ -7,11 +7,12 @@ with no replica ``metrics_url`` to read it from, two replica entries for one
 engine (a copied block whose port was left as it was: the engine gets the
 seats of both, which is right only when they split its knee between two
 model pools), an ``ADMISSION_*`` override that sets nothing (a misspelt
-section, or ``_`` where ``__`` was meant: pydantic-settings ignores both). Each is not an error (the
-proxy runs as documented), but the operator who wrote it expected something,
-so ``check-config`` prints it as a ``warning:`` line (exit 0 still) and a
-reload logs it. Warnings are ``ConfigIssue``s at the key's YAML path; nothing
-here does I/O beyond reading the environment for ``api_key_env``.
+section, or ``_`` where ``__`` was meant: pydantic-settings ignores both).
+Each is not an error (the proxy runs as documented), but the operator who
+wrote it expected something, so ``check-config`` prints it as a ``warning:``
+line (exit 0 still), ``serve`` prints it at start and a reload logs it.
+Warnings are ``ConfigIssue``s at the key's YAML path (``<env>`` for a
+variable); nothing here does I/O beyond reading the environment.
 """
 
 from __future__ import annotations
