@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from proxy.config_warnings import config_warnings
 from proxy.loadtest.cli import add_loadtest_arguments, run_loadtest
 from proxy.settings import ConfigError, dump_effective_config, load_config
 from proxy.tasks import run_async
@@ -32,7 +33,9 @@ def check_config(
     ``workers``: the ``serve --workers`` it is meant for (N > 1 needs Redis).
 
     Keys are masked in the output: it is meant to be pasted into tickets and
-    CI logs, where a live key must never appear.
+    CI logs, where a live key must never appear. Settings that do nothing
+    (``config_warnings``) are listed on ``err`` as ``warning:`` lines; they do
+    not change the exit code.
     """
     try:
         config = load_config(path)
@@ -46,6 +49,8 @@ def check_config(
     if refusal is not None:
         err.write(f"invalid config {path}: {refusal}\n")
         return EXIT_INVALID
+    for warning in config_warnings(config):
+        err.write(f"warning: {warning}\n")
     out.write(dump_effective_config(config, mask_secrets=True))
     return EXIT_OK
 
@@ -103,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if refusal is not None:
             print(f"invalid config {args.config}: {refusal}", file=sys.stderr)
             return EXIT_INVALID
+        if not args.reuse_port:  # a worker of ``--workers N``: its parent said it once
+            for warning in config_warnings(config):
+                print(f"warning: {warning}", file=sys.stderr)
         host = args.host or config.server.host
         port = args.port if args.port is not None else config.server.port
         if args.workers > 1:

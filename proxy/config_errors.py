@@ -22,14 +22,17 @@ environment override that could not be decoded). Nothing here does I/O.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
+import types
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 RULE_ERROR_TYPE = "config_rule"
@@ -75,6 +78,24 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def mask_url_password(value: str) -> str:
+    """``value`` with the password of a ``scheme://user:password@host`` URL as ``***``.
+
+    A Redis URL (``redis://:password@host``) or an upstream URL may carry a
+    password; the effective config (``check-config``, ``GET /admin/config``),
+    errors and logs show the URL without it. Anything else is returned as is.
+    """
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return value
+    authority, slash, tail = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return value
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{host}{slash}{tail}"
+
+
 def stored_key_digest(entry: str) -> str:
     """The digest of an ``api_keys`` entry: plain keys hashed, ``sha256:`` entries as they are."""
     if entry.startswith(SHA256_PREFIX):
@@ -90,9 +111,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
+    """Keys written twice in this mapping are an error; keys a merge (``<<: *defaults``)
+    brings in are not: a key written next to the merge overrides it, as YAML says."""
     seen: set[object] = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node)
         if isinstance(key, str | int | float | bool) and key in seen:
             raise yaml.constructor.ConstructorError(
@@ -128,6 +152,8 @@ def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
         message = f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
         if exc.context:
             message += f" ({exc.context})"
+        if "'\\t'" in str(exc.problem):
+            message += "; YAML indents with spaces, never tabs"
         return ConfigIssue("<yaml>", message)
     return ConfigIssue("<yaml>", str(exc))
 
@@ -190,8 +216,12 @@ def issues_from_validation_error(
     env_prefix: str = "",
     env_delimiter: str = "__",
     environ: Mapping[str, str] | None = None,
+    model: type[BaseModel] | None = None,
 ) -> list[ConfigIssue]:
     """Pydantic's errors as issues, noting which value came from the environment.
+
+    With ``model`` (the one validated), an unknown key close to a key of its
+    section is told which one was probably meant (``api_key`` for ``api_keys``).
 
     An environment override wins over the file, so a bad value there looks like
     a bad value in the file; naming the variable saves the operator a search.
@@ -203,6 +233,8 @@ def issues_from_validation_error(
         message = _plain_message(
             error["type"], error["msg"], error.get("input"), loc, error.get("ctx")
         )
+        if error["type"] == "extra_forbidden" and model is not None:
+            message += _suggestion(model, loc)
         if env_prefix:
             variable = _env_variable(loc, env_prefix, env_delimiter, env_names)
             if variable is not None:
@@ -213,6 +245,10 @@ def issues_from_validation_error(
 
 #: Pydantic's error types for a value that is not a sequence (the config holds tuples).
 _SEQUENCE_TYPES = frozenset({"tuple_type", "list_type", "set_type", "frozen_set_type"})
+
+
+#: Pydantic's error types for a value that is not a whole number.
+_INT_TYPES = frozenset({"int_type", "int_parsing", "int_from_float"})
 
 
 #: The config's name patterns in words (pydantic quotes the regular expression).
@@ -233,6 +269,8 @@ def _plain_message(
         message = _PATTERNS.get(str(ctx.get("pattern")), message)
     if kind == "extra_forbidden":
         return "unknown key"
+    if kind in _INT_TYPES and loc and str(loc[-1]).endswith("_ms"):
+        message = "input should be a whole number of milliseconds (5 s is 5000)"
     if kind == "missing":
         return "required key is missing"
     secret = any(part in _SECRET_KEYS for part in loc)
@@ -245,6 +283,8 @@ def _plain_message(
         message = message[:1].lower() + message[1:]
     elif value is None:  # a cross-field rule: its message says it all
         return message
+    if isinstance(value, str):
+        value = mask_url_password(value)
     if not secret and (value is None or isinstance(value, str | int | float | bool)):
         message += f" (got {value!r})"
     return message
@@ -258,3 +298,48 @@ def _env_variable(loc: Loc, prefix: str, delimiter: str, env_names: set[str]) ->
         if name in env_names:
             return name
     return None
+
+
+def _suggestion(model: type[BaseModel], loc: Loc) -> str:
+    """``"; did you mean 'x'?"`` for the unknown key at ``loc``, or nothing."""
+    known = _keys_at(model, loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _keys_at(model: type[BaseModel], loc: Loc) -> list[str]:
+    """The keys of the section at ``loc`` (list indexes and mapping keys stepped over)."""
+    annotation: object = model
+    for part in loc:
+        annotation = _unwrap(annotation)
+        origin = typing.get_origin(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return []
+            annotation = field.annotation
+        elif origin is tuple or origin is list:
+            annotation = typing.get_args(annotation)[0]
+        elif origin is dict:
+            annotation = typing.get_args(annotation)[1]
+        else:
+            return []
+    annotation = _unwrap(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return []
+
+
+def _unwrap(annotation: object) -> object:
+    """``X`` of ``X | None`` and of ``Annotated[X, ...]``."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin is typing.Union or origin is types.UnionType:
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) != 1:
+                return annotation
+            annotation = args[0]
+        else:
+            return annotation

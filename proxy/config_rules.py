@@ -181,7 +181,10 @@ def _class_problems(name: str, tenant: _Tenant, priorities: Mapping[str, object]
     unknown = f"unknown priority class (configured: {', '.join(priorities)})"
     problems: Problems = []
     if tenant.priority not in priorities:
-        problems.append(((name, "priority"), f"{tenant.priority!r}: {unknown}"))
+        given = "priority" in getattr(tenant, "model_fields_set", {"priority"})
+        # ``priorities`` replaced the defaults, and the tenant names no class: say so.
+        default = "" if given else " (the default, as the tenant names none)"
+        problems.append(((name, "priority"), f"{tenant.priority!r}{default}: {unknown}"))
     for i, cls in enumerate(tenant.allowed_priorities or ()):
         if cls not in priorities:
             problems.append(((name, "allowed_priorities", i), f"{cls!r}: {unknown}"))

@@ -61,6 +61,7 @@ __all__ = [
     "DEFAULT_SHUTDOWN_GRACE_MS",
     "DEFAULT_TOTAL_MS",
     "DEFAULT_WARMUP_REQUESTS",
+    "NOT_A_BOOLEAN",
     "AdminConfig",
     "BudgetsConfig",
     "GpuConfig",
@@ -81,6 +82,7 @@ __all__ = [
     "TelemetryConfig",
     "TimeoutsConfig",
     "WarmupConfig",
+    "refuse_boolean",
 ]
 
 RetryClass = Literal[
@@ -182,10 +184,31 @@ Route = Annotated[str, AfterValidator(_check_route)]
 Ratio = Annotated[float, Field(ge=0, le=1)]
 
 
+#: What a boolean written where no key takes one is told (pydantic would read
+#: ``max_concurrency: true`` as 1, and ``on`` as a name would read as true).
+NOT_A_BOOLEAN = (
+    "no key here takes true or false (YAML reads unquoted yes, no, on, off, true and false "
+    "as booleans: quote a word that is meant)"
+)
+
+
+def refuse_boolean(value: object) -> object:
+    """A boolean is refused before pydantic turns it into a number (``true`` into 1)."""
+    if isinstance(value, bool):
+        raise rule(NOT_A_BOOLEAN)
+    return value
+
+
 class Section(BaseModel):
     """Base of every section: frozen, and unknown keys are errors, not silently ignored."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: object) -> object:
+        """No config key takes a boolean: ``max_concurrency: yes`` is a mistake, not 1."""
+        return refuse_boolean(value)
 
 
 class ServerConfig(Section):

@@ -16,7 +16,8 @@ own metric label if the cap has room; queued and running requests keep the
 deadline, class and budgets they were admitted under and nothing queued is
 evicted; a removed tenant's queued tickets are still served, under its old
 rules; a new replica is probed and warmed before it takes traffic; a removed
-replica drains and then leaves. A change to a ``RESTART_KEYS`` key is logged
+replica drains and then leaves; a replica whose URL changed is both (the old
+engine drains, the new one warms). A change to a ``RESTART_KEYS`` key is logged
 as needing a restart, and the running config keeps the value the listener was
 built with (so ``/admin/config`` shows what is in effect). A replica whose TLS
 files changed (path or content) gets a new context; a rotated certificate
@@ -43,11 +44,13 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel
 
+from proxy.config_errors import mask_url_password
 from proxy.config_history import ConfigEntry, ConfigHistory
+from proxy.config_warnings import config_warnings
 from proxy.errors import NoPreviousConfig
 from proxy.replicas import Replica, ReplicaState
 from proxy.runtime import Rules, Runtime
-from proxy.settings import Config, ConfigError, ConfigIssue, load_config
+from proxy.settings import Config, ConfigError, ConfigIssue, load_config, read_config_bytes
 from proxy.tls import ReplicaTls, same_files, tls_by_replica
 
 log = structlog.get_logger(__name__)
@@ -81,8 +84,10 @@ class ReloadResult:
 
 
 def _digest(path: Path) -> str | None:
+    """SHA-256 of the file (of its first ``MAX_CONFIG_BYTES`` + 1 bytes: a bigger one is
+    refused anyway, and is not read whole every poll)."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return hashlib.sha256(read_config_bytes(path)).hexdigest()
     except OSError:
         return None
 
@@ -93,6 +98,8 @@ class Reloader:
         self._path = Path(path)
         self._lock = asyncio.Lock()
         self._digest = _digest(self._path)
+        #: Replicas a URL change displaced while they still ran requests (``apply_config``).
+        self._displaced: dict[str, Replica] = {}
         #: What the listener was built from: ``RESTART_KEYS`` are compared to it.
         self._started = runtime.rules.config
         #: The good configs that ran, the running one last (``POST /admin/rollback``).
@@ -120,11 +127,14 @@ class Reloader:
                 self._digest = digest  # do not retry the same bad file every poll
                 return ReloadResult(False, exc.issues)
             self._digest = digest
+            for warning in config_warnings(config):
+                log.warning("config setting has no effect", path=warning.path,
+                            problem=warning.message)  # fmt: skip
             for key, at_start, configured in needs_restart(self._started, config):
                 log.warning("setting changed: takes effect after a restart", key=key,
                             running=at_start, configured=configured)  # fmt: skip
             running = keep_restart_keys(self._started, config)
-            apply_config(self._runtime, running, tls)
+            apply_config(self._runtime, running, tls, self._displaced)
             self.history.applied(running, digest or "")
             self._runtime.telemetry.metrics.config_reloads.labels("ok").inc()
             log.info("config reloaded", trigger=trigger, tenants=len(config.tenants),
@@ -144,7 +154,7 @@ class Reloader:
                     "no earlier good config is kept (config_history holds the running one only)"
                 )
             tls = await asyncio.to_thread(tls_by_replica, previous.config.replicas)
-            apply_config(self._runtime, previous.config, tls)
+            apply_config(self._runtime, previous.config, tls, self._displaced)
             running, replaced = self.history.rolled_back()
             self._runtime.telemetry.metrics.config_reloads.labels("rolled_back").inc()
             log.warning("config rolled back", sha256=running.sha256,
@@ -167,6 +177,8 @@ def needs_restart(old: Config, new: Config) -> list[tuple[str, object, object]]:
         running = getattr(getattr(old, section), key)
         configured = getattr(getattr(new, section), key)
         if running != configured:
+            if isinstance(running, str) and isinstance(configured, str):  # redis_url: no password
+                running, configured = mask_url_password(running), mask_url_password(configured)
             changed.append((f"{section}.{key}", running, configured))
     return changed
 
@@ -182,21 +194,49 @@ def keep_restart_keys(started: Config, config: Config) -> Config:
 
 
 def apply_config(
-    runtime: Runtime, config: Config, tls: Mapping[str, ReplicaTls | None] | None = None
+    runtime: Runtime,
+    config: Config,
+    tls: Mapping[str, ReplicaTls | None] | None = None,
+    displaced: dict[str, Replica] | None = None,
 ) -> None:
     """Swap in a validated config: replicas first, then the rules in one assignment.
 
     ``tls``: every replica's context, built off the loop (``tls_by_replica``);
     a replica keeps its context, and its pooled connections, while its TLS
-    files are unchanged.
+    files are unchanged. ``displaced`` (the reloader's, kept across reloads):
+    replicas whose name a new URL took while they still run requests, so that
+    a reload or rollback back to their URL puts them back, counting what they
+    run, instead of a second replica for one engine.
     """
     if tls is None:
         tls = tls_by_replica(config.replicas)
+    if displaced is None:
+        displaced = {}
+    for name in [name for name, r in displaced.items() if r.inflight == 0]:
+        del displaced[name]  # its last requests ended: nothing left to put back
     pool = runtime.pool
     wanted = {r.name for r in config.replicas}
     for replica_config in config.replicas:
         api_key = os.environ.get(replica_config.api_key_env) if replica_config.api_key_env else None
-        existing = pool.get(replica_config.name)
+        name = replica_config.name
+        existing = pool.get(name)
+        stash = None
+        if existing is not None and existing.url != replica_config.url:
+            # Another engine under the same name (moved to a new host): the old one
+            # drains where it is, the new one is probed and warmed before it serves,
+            # as a new replica is. In place, traffic went at once to an engine maybe
+            # still loading, with the old one's models and readings.
+            if not existing.retired:
+                pool.retire(name)
+            stash = existing if existing.inflight else None
+            existing = None
+        if existing is None:
+            earlier = displaced.pop(name, None)
+            if earlier is not None and earlier.url == replica_config.url:
+                pool.add(earlier)  # back to an engine still draining: put back below
+                existing = earlier
+        if stash is not None:
+            displaced[name] = stash
         if existing is not None and existing.retired and existing.url == replica_config.url:
             # Put back (a reload, a rollback) while its last requests still drain:
             # the same engine, so the same replica, whose seats count what it runs

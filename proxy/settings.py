@@ -72,6 +72,7 @@ from proxy.config_errors import (
     ConfigIssue,
     hash_api_key,
     issues_from_validation_error,
+    mask_url_password,
     read_document,
     rule,
     rule_violations,
@@ -107,6 +108,7 @@ from proxy.config_sections import (
     TelemetryConfig,
     TimeoutsConfig,
     WarmupConfig,
+    refuse_boolean,
 )
 from proxy.config_tenants import *  # noqa: F403 - re-exported, see __all__
 from proxy.config_tenants import ANONYMOUS_REJECT, TenantConfig
@@ -114,9 +116,10 @@ from proxy.models import alias_problems, static_models
 
 #: Every config name, importable from here as it was before the sections moved out.
 __all__ = [
-    "DEFAULT_ROUTES", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "MASK", "SHA256_PREFIX", "Config",
-    "ConfigError", "ConfigIssue", "config_from_mapping", "dump_effective_config", "hash_api_key",
-    "load_config", "parse_config", "stored_key_digest",
+    "DEFAULT_ROUTES", "ENV_NESTED_DELIMITER", "ENV_PREFIX", "MASK", "MAX_CONFIG_BYTES",
+    "SHA256_PREFIX", "Config", "ConfigError", "ConfigIssue", "config_from_mapping",
+    "dump_effective_config", "hash_api_key", "load_config", "parse_config", "read_config_bytes",
+    "stored_key_digest",
 ]  # fmt: skip
 __all__ += config_sections.__all__
 __all__ += config_tenants.__all__
@@ -147,6 +150,10 @@ DEFAULT_ROUTES: tuple[str, ...] = (
     "/infill",
     "/rerank",
 )
+#: The largest config file read: PyYAML parses about 4 MB/s, and a reload runs
+#: beside the traffic; the largest real configs (thousands of tenants) are a
+#: few MiB. A bigger file is refused unparsed.
+MAX_CONFIG_BYTES = 8 * 2**20
 #: ``anonymous`` value that answers requests without a key with 401.
 #: What ``dump_effective_config(mask_secrets=True)`` writes for every API key.
 MASK = "***"
@@ -236,6 +243,12 @@ class Config(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Constructor, then environment, then the YAML document; no dotenv, no secrets."""
         return (init_settings, env_settings, _DocumentSource(settings_cls, _document.get()))
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: object) -> object:
+        """No top-level key takes a boolean (``config_history: yes`` is not 1)."""
+        return refuse_boolean(value)
 
     @field_validator("replicas", mode="wrap")
     @classmethod
@@ -353,11 +366,24 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate the config file at ``path``; every failure is a ``ConfigError``."""
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as file:
-            text = file.read()
+        data = read_config_bytes(source)
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([ConfigIssue("<file>", f"cannot read {source}: {exc}")], source) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        message = (
+            f"{source} is larger than {MAX_CONFIG_BYTES // 2**20} MiB: a config is a few "
+            "KiB (is it the right file?)"
+        )
+        raise ConfigError([ConfigIssue("<file>", message)], source)
     return parse_config(text, source)
+
+
+def read_config_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The file's bytes, at most ``MAX_CONFIG_BYTES`` + 1: a log file or a model's
+    weights named by mistake is refused for its size, not read whole into memory."""
+    with open(path, "rb") as file:
+        return file.read(MAX_CONFIG_BYTES + 1)
 
 
 def config_from_mapping(document: Mapping[str, Any], source: str = "<mapping>") -> Config:
@@ -367,7 +393,7 @@ def config_from_mapping(document: Mapping[str, Any], source: str = "<mapping>") 
         return Config()
     except ValidationError as exc:
         issues = issues_from_validation_error(
-            exc, env_prefix=ENV_PREFIX, env_delimiter=ENV_NESTED_DELIMITER
+            exc, env_prefix=ENV_PREFIX, env_delimiter=ENV_NESTED_DELIMITER, model=Config
         )
         raise ConfigError(issues, source) from None
     except SettingsError as exc:
@@ -391,10 +417,17 @@ def dump_effective_config(config: Config, *, mask_secrets: bool = False) -> str:
     """The effective config as YAML, every default filled in, keys in the reference's order.
 
     With ``mask_secrets`` every ``api_keys`` entry, ``sha256:`` ones included,
-    becomes ``"***"``; the output then no longer loads (its keys collide).
+    becomes ``"***"``, and so does the password of every URL that carries one
+    (``state.redis_url``, a replica's ``url`` or ``metrics_url``); the output
+    then no longer loads (its keys collide).
     """
     data = config.model_dump(mode="json")
     if mask_secrets:
         for tenant in data["tenants"].values():
             tenant["api_keys"] = [MASK for _ in tenant["api_keys"]]
+        for replica in data["replicas"]:
+            for key in ("url", "metrics_url"):
+                if replica[key] is not None:
+                    replica[key] = mask_url_password(replica[key])
+        data["state"]["redis_url"] = mask_url_password(data["state"]["redis_url"])
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=False)

@@ -486,7 +486,10 @@ INVALID_CASES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
     (
         "default class removed with priorities",
         {"priorities": {"gold": {"weight": 1}}},
-        {"tenants.acme.priority": "'standard': unknown priority class (configured: gold)"},
+        {
+            "tenants.acme.priority": "'standard' (the default, as the tenant names none): "
+            "unknown priority class (configured: gold)"
+        },
     ),
     ("anonymous unknown", {"anonymous": "ghost"}, {"anonymous": '"reject" or the name'}),
     (
