@@ -179,17 +179,22 @@ class Exchange:
         if self.runtime.state is not None:
             self.runtime.state.record_request()
 
+    def _no_healthy_replica(self) -> NoHealthyReplica:
+        """503 ``no_healthy_replica`` naming the pool (other models' replicas may well
+        be serving), ``Retry-After`` when its first replica may be back."""
+        admitted = self.admitted
+        which = "" if admitted.model is None else f" serving model {admitted.model!r}"
+        return NoHealthyReplica(
+            f"every replica{which} is ejected or drained",
+            retry_after_s=self.runtime.health.earliest_return_s(admitted.pool),
+        )
+
     def _enqueue(self) -> Ticket:
         runtime, admitted = self.runtime, self.admitted
         if runtime.shutting_down:
             raise ShuttingDown("the proxy is shutting down", retry_after_s=1.0)
         if not runtime.pool.any_usable(admitted.pool):
-            # Name the pool: other models' replicas may well be serving.
-            which = "" if admitted.model is None else f" serving model {admitted.model!r}"
-            raise NoHealthyReplica(
-                f"every replica{which} is ejected or drained",
-                retry_after_s=runtime.health.earliest_return_s(admitted.pool),
-            )
+            raise self._no_healthy_replica()
         dispatcher = runtime.dispatcher
         flow = (admitted.tenant, admitted.priority, admitted.cost, admitted.deadline)
         if admitted.model is None and admitted.affinity is None:
@@ -298,7 +303,10 @@ class Exchange:
                 remaining_s=deadline.remaining(runtime.clock.now()),
                 upstream_retry_after_s=upstream_wait,
             )
-            if not decision.retry:
+            # Nowhere to retry: every replica of the pool is ejected or drained (an
+            # operator's drain, the probes). Waiting for a seat would hold the client
+            # to its total budget for an answer no replica can give.
+            if not decision.retry or not runtime.pool.any_usable(self.admitted.pool):
                 if isinstance(failure, Committed):
                     return failure  # the replica's own answer, passed through
                 raise failure
@@ -317,6 +325,8 @@ class Exchange:
             runtime.dispatcher.release(self.seat, grace_s)
             self.seat = None
             await self._back_off(decision.delay_s)
+            if not runtime.pool.any_usable(self.admitted.pool):  # drained meanwhile
+                raise self._no_healthy_replica()
             try:
                 self.seat = await runtime.dispatcher.reseat(
                     frozenset(failed),

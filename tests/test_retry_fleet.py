@@ -456,3 +456,30 @@ async def test_a_stream_broken_after_its_first_byte_is_never_retried(
     (line,) = [json.loads(line) for line in log.getvalue().splitlines()]
     assert line["attempts"] == 1
     proxy.assert_idle()
+
+
+async def test_a_retry_with_no_replica_left_to_take_it_ends_at_once(
+    start_proxy: Start, upstream_url: str, upstream_state: Upstream
+) -> None:
+    """The only replica is drained while it still runs the attempt, which then times out
+    (``first_byte_timeout``, retried here): no replica of the pool can take the retry, so
+    the failure is answered at once (504 ``first_byte_timeout``), not after the request's
+    whole total budget spent waiting for a seat (504 ``total_timeout``)."""
+    retry = {**QUICK_RETRY, "retry_on": ["first_byte_timeout"], "min_retries_per_s": 100}
+    config = make_config(
+        [upstream_url],
+        budgets={"first_byte_ms": 300, "queue_ms": 1000, "total_ms": 30_000},
+        retry=retry, health=NO_EJECTION,
+    )  # fmt: skip
+    proxy = await start_proxy(config)
+    runtime = proxy.runtime
+    sent = asyncio.ensure_future(
+        proxy.client.post(CHAT, json={"stream": True, "hang_ms": 5000}, headers=AUTH)
+    )
+    await wait_for(lambda: upstream_state.active == 1)  # the attempt runs on r0
+    set_draining(runtime, "r0", True)
+    resp = await asyncio.wait_for(sent, 20)  # bounded: before, it waited out total_ms
+    assert resp.status == 504
+    assert resp.headers["X-Admission-Reason"] == "first_byte_timeout"
+    assert len(upstream_state.seen) == 1  # no second attempt anywhere
+    await proxy.wait_idle()
